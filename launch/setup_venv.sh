@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install the recipe with the given extras, e.g. `launch/setup_venv.sh test`.
+# torch is pinned on the same pip line: on CPU machines 2.13.0 is the CPU wheel; an unpinned torch pulls CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-}"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+SPEC="."
+[ -n "$EXTRAS" ] && SPEC=".[$EXTRAS]"
+STAMP=".venv/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)-${EXTRAS:-base}"
+if [ ! -f "$STAMP" ]; then
+  TORCH="torch==2.13.0"
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then TORCH="torch"; fi
+  .venv/bin/pip install --quiet --disable-pip-version-check "$TORCH" -e "$SPEC" 2>&1 | grep -v "is ignored: it is neither a file" || true
+  .venv/bin/python -c "import torch, deepspeed, transformers, peft, datasets" >/dev/null 2>&1 \
+    || { echo "setup_venv: install failed" >&2; exit 1; }
+  touch "$STAMP"
+fi

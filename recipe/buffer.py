@@ -1,0 +1,84 @@
+"""The rank-local rollout: token ids, masks, advantages, old log-probs, and its replay schedule.
+
+It never leaves its rank (group advantages need no communication because every group is generated
+on one rank). Its state is a plain dict of tensors, so a checkpoint can save and restore it exactly.
+
+Old log-probs: a sample's old log-prob is the policy's log-prob *before any update on this rollout*.
+Samples trained in the first optimizer step of the first pass see exactly that policy, so their old
+log-probs are the training forward's own `logp.detach()` and are captured there for later passes (no
+extra forward). Only samples of later steps of the first pass (steps_per_generation > 1) need a
+no_grad forward at rollout time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class RolloutBuffer:
+    input_ids: torch.Tensor  # [N, P + C] prompt (left-padded) + completion (right-padded)
+    attention_mask: torch.Tensor  # [N, P + C]
+    completion_mask: torch.Tensor  # [N, C] 1 for completion tokens up to and including EOS
+    advantages: torch.Tensor  # [N]
+    old_logps: torch.Tensor  # [N, C] (NaN until known)
+    has_old_logps: torch.Tensor  # [N] bool
+    order_seed: int  # seeds each pass's shuffle
+
+    @property
+    def prompt_length(self) -> int:
+        return self.input_ids.shape[1] - self.completion_mask.shape[1]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(cls, prompt_ids: list[list[int]], completion_ids: list[list[int]], advantages: torch.Tensor,
+              completion_mask: torch.Tensor, pad_id: int, order_seed: int) -> "RolloutBuffer":
+        """Left-pad prompts and right-pad completions into one [N, P + C] batch."""
+        n = len(completion_ids)
+        p_len = max(len(p) for p in prompt_ids)
+        c_len = completion_mask.shape[1]
+        ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long)
+        attn = torch.zeros((n, p_len + c_len), dtype=torch.long)
+        for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+            ids[i, p_len - len(p):p_len] = torch.tensor(p, dtype=torch.long)
+            attn[i, p_len - len(p):p_len] = 1
+            ids[i, p_len:p_len + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[:, p_len:] = completion_mask.long()
+        return cls(ids, attn, completion_mask.float(), advantages.float(),
+                   torch.full((n, c_len), float("nan")), torch.zeros(n, dtype=torch.bool), order_seed)
+
+    # --- schedule ---------------------------------------------------------------------
+    def schedule(self, pass_index: int, steps: int, micro_batch_size: int) -> list[list[torch.Tensor]]:
+        """Sample indices per [optimizer step][micro-batch] for one pass, reshuffled per pass from the seed."""
+        g = torch.Generator().manual_seed(self.order_seed * 1000 + pass_index)
+        order = torch.randperm(len(self), generator=g)
+        per_step = len(self) // steps
+        return [list(order[s * per_step:(s + 1) * per_step].split(micro_batch_size)) for s in range(steps)]
+
+    def micro_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
+                "completion_mask": self.completion_mask[idx], "advantages": self.advantages[idx],
+                "old_logps": self.old_logps[idx], "has_old_logps": self.has_old_logps[idx], "index": idx}
+
+    def store_old_logps(self, idx: torch.Tensor, logps: torch.Tensor) -> None:
+        self.old_logps[idx] = logps.detach().float().cpu()
+        self.has_old_logps[idx] = True
+
+    def token_counts(self, passes: int, steps: int, micro_batch_size: int) -> torch.Tensor:
+        """Active completion tokens on this rank per [pass, optimizer step] (for token-level losses)."""
+        counts = torch.zeros(passes, steps)
+        for p in range(passes):
+            for s, mbs in enumerate(self.schedule(p, steps, micro_batch_size)):
+                counts[p, s] = sum(self.completion_mask[i].sum() for i in mbs)
+        return counts
+
+    # --- checkpointing ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "RolloutBuffer":
+        return cls(**{f.name: state[f.name] for f in fields(cls)})

@@ -1,0 +1,250 @@
+"""The recipe's one config: a dataclass loaded from YAML with `--key value` CLI overrides.
+
+Everything is validated here, before any process group starts, so that a bad value costs
+a one-line message (exit code 2) instead of a crashed multi-node job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the field."""
+
+
+@dataclass
+class Config:
+    # --- model -------------------------------------------------------------------------
+    model_name_or_path: str = "builtin:tiny-qwen2"  # a folder, a hub name, or builtin:tiny-qwen2
+    bf16: str | bool = "auto"  # auto = bf16 on GPUs, fp32 on CPU
+    gradient_checkpointing: bool = False
+    # --- data --------------------------------------------------------------------------
+    dataset_name: str = "recipe/data/tldr_prompts.jsonl"  # a local jsonl/json/parquet/csv file or a hub name
+    dataset_split: str = "train"
+    prompt_column: str = "prompt"
+    chat_template: str | bool = "auto"  # auto = use the tokenizer's chat template when it has one
+    max_prompt_length: int = 256
+    # --- generation --------------------------------------------------------------------
+    generation_backend: str = "hf"
+    num_generations: int = 8  # G: completions per prompt
+    max_completion_length: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    # --- rewards -----------------------------------------------------------------------
+    # Each entry: a built-in name ("length", "accuracy"), "module:function" or "path/file.py:function",
+    # or a mapping {func: ..., weight: 1.0, kwargs: {...}}.
+    reward_funcs: list = field(default_factory=lambda: [{"func": "length", "kwargs": {"target_chars": 60}}])
+    scale_rewards: str = "group"
+    # --- GRPO --------------------------------------------------------------------------
+    num_iterations: int = 1  # mu: optimizer passes over each rollout
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None = epsilon
+    beta: float = 0.0  # KL coefficient against the frozen reference model
+    loss_type: str = "dapo"
+    mask_truncated_completions: bool = False
+    # --- batch shape (per rank) --------------------------------------------------------
+    per_device_train_batch_size: int = 8  # completions per micro-batch
+    gradient_accumulation_steps: int = 1
+    steps_per_generation: int = 1  # optimizer steps fed by one rollout per pass
+    # --- optimizer ---------------------------------------------------------------------
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    max_steps: int = 100  # optimizer steps
+    # --- run ---------------------------------------------------------------------------
+    seed: int = 42
+    output_dir: str = "output"
+    deepspeed_config: str = "ds_configs/zero3.json"
+    logging_steps: int = 1
+    report_to_tensorboard: bool = False
+    disable_tqdm: bool = False
+
+    # --- derived -----------------------------------------------------------------------
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def completions_per_rollout(self) -> int:
+        """Completions one rank generates per rollout."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.steps_per_generation
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        """Prompts one rank generates for per rollout (each gets num_generations completions)."""
+        return self.completions_per_rollout // self.num_generations
+
+    @property
+    def needs_old_logps(self) -> bool:
+        """Old log-probs differ from logp.detach() only when a rollout feeds several optimizer steps."""
+        return self.num_iterations > 1 or self.steps_per_generation > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------
+# loading
+# ------------------------------------------------------------------------------------------
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(Config)
+
+
+def _coerce(name: str, value: Any, typ: Any) -> Any:
+    """Check/convert one value against its annotated type; raise ConfigError naming the field."""
+    args = typing.get_args(typ)
+    allowed = [a for a in args if a is not type(None)] if args else [typ]
+    if value is None:
+        if args and type(None) in args:
+            return None
+        raise ConfigError(f"{name}: must not be null")
+    origin = typing.get_origin(typ)
+    if origin is list or typ is list:
+        if not isinstance(value, list):
+            value = [value]
+        return value
+    for a in allowed:
+        if a is bool and isinstance(value, bool):
+            return value
+        if a is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if a is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if a is str and isinstance(value, str):
+            return value
+    if str in allowed and not isinstance(value, (dict, list)):
+        return str(value)
+    names = " or ".join(getattr(a, "__name__", str(a)) for a in allowed)
+    raise ConfigError(f"{name}: expected {names}, got {value!r}")
+
+
+def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """`--config FILE` plus `--key value` / `--key=value` overrides (values parsed as YAML)."""
+    config_path, overrides, i = None, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides are --key value")
+        key, eq, val = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"--{key}: missing value")
+            val, i = argv[i + 1], i + 1
+        i += 1
+        key = key.replace("-", "_")
+        if key == "local_rank":  # set by the deepspeed launcher; LOCAL_RANK in the env says the same
+            continue
+        if key == "config":
+            config_path = val
+        else:
+            try:
+                overrides[key] = yaml.safe_load(val) if val != "" else ""
+            except yaml.YAMLError:
+                overrides[key] = val
+    return config_path, overrides
+
+
+def load_config(argv: list[str] | None = None, world_size: int | None = None) -> Config:
+    """Build and validate the config from `--config FILE.yaml` and CLI overrides."""
+    config_path, overrides = parse_cli(sys.argv[1:] if argv is None else argv)
+    values: dict[str, Any] = {}
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {config_path}")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {config_path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {config_path} must hold a mapping of fields")
+        values.update(loaded)
+    values.update(overrides)
+    types = _field_types()
+    unknown = sorted(set(values) - set(types))
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    cfg = Config(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world_size)
+    return cfg
+
+
+def resolve_path(path: str) -> Path:
+    """Relative paths resolve against the working directory, then against the repository."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    alt = REPO_ROOT / p
+    return alt if alt.exists() else p
+
+
+def looks_like_file(name: str) -> bool:
+    return Path(name).suffix in DATA_EXTENSIONS or os.sep in name and Path(name).suffix != ""
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(cfg.num_generations >= 2, f"num_generations: must be >= 2 (group advantages need a group), got {cfg.num_generations}")
+    need(cfg.num_iterations >= 1, f"num_iterations: mu must be >= 1, got {cfg.num_iterations}")
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+                 "max_steps", "max_completion_length", "max_prompt_length", "logging_steps"):
+        need(getattr(cfg, name) >= 1, f"{name}: must be >= 1, got {getattr(cfg, name)}")
+    need(cfg.completions_per_rollout % cfg.num_generations == 0,
+         f"num_generations: per_device_train_batch_size x gradient_accumulation_steps x steps_per_generation "
+         f"= {cfg.completions_per_rollout} completions per rank must be divisible by num_generations = {cfg.num_generations}")
+    need(0.0 < cfg.epsilon < 1.0, f"epsilon: must be in (0, 1), got {cfg.epsilon}")
+    need(cfg.eps_high > 0.0, f"epsilon_high: must be > 0, got {cfg.epsilon_high}")
+    need(cfg.beta >= 0.0, f"beta: must be >= 0, got {cfg.beta}")
+    need(cfg.loss_type in LOSS_TYPES, f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {cfg.loss_type!r}")
+    need(cfg.scale_rewards in SCALE_REWARDS,
+         f"scale_rewards: must be one of {', '.join(SCALE_REWARDS)}, got {cfg.scale_rewards!r}")
+    need(cfg.temperature > 0.0, f"temperature: must be > 0, got {cfg.temperature}")
+    need(0.0 < cfg.top_p <= 1.0, f"top_p: must be in (0, 1], got {cfg.top_p}")
+    need(cfg.top_k >= 0, f"top_k: must be >= 0, got {cfg.top_k}")
+    need(cfg.learning_rate > 0.0, f"learning_rate: must be > 0, got {cfg.learning_rate}")
+    need(cfg.max_grad_norm >= 0.0, f"max_grad_norm: must be >= 0, got {cfg.max_grad_norm}")
+    need(cfg.generation_backend in ("hf",), f"generation_backend: must be 'hf', got {cfg.generation_backend!r}")
+    need(str(cfg.bf16).lower() in ("auto", "true", "false"), f"bf16: must be auto, true or false, got {cfg.bf16!r}")
+    need(str(cfg.chat_template).lower() in ("auto", "true", "false"),
+         f"chat_template: must be auto, true or false, got {cfg.chat_template!r}")
+    need(world_size >= 1, f"WORLD_SIZE: must be >= 1, got {world_size}")
+    need(bool(cfg.output_dir), "output_dir: must not be empty")
+    need(bool(cfg.reward_funcs), "reward_funcs: at least one reward function is needed")
+
+    ds_path = resolve_path(cfg.deepspeed_config)
+    need(ds_path.is_file(), f"deepspeed_config: file not found: {cfg.deepspeed_config}")
+    if looks_like_file(cfg.dataset_name):
+        need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
+    model = cfg.model_name_or_path
+    if model.startswith("builtin:"):
+        from recipe.tiny import BUILTIN_MODELS
+
+        need(model in BUILTIN_MODELS, f"model_name_or_path: unknown built-in {model!r} (have {', '.join(BUILTIN_MODELS)})")
+    elif model.startswith((".", "/", "~")) or resolve_path(model).exists():
+        need(resolve_path(os.path.expanduser(model)).is_dir(), f"model_name_or_path: folder not found: {model}")
+    # Reward specs are checked here too (imports only, nothing runs) so a typo fails before launch.
+    from recipe.rewards import load_reward_funcs
+
+    load_reward_funcs(cfg.reward_funcs)

@@ -1,0 +1,186 @@
+"""Model loading, DeepSpeed initialization from ds_configs/, the reference policy, HF-format saving."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import torch
+
+from recipe.config import Config, resolve_path
+
+
+# ------------------------------------------------------------------------------------------
+# process group
+# ------------------------------------------------------------------------------------------
+def init_distributed() -> tuple[int, int]:
+    """Join the launcher's process group (deepspeed, torchrun, srun helpers) or make a 1-rank one."""
+    import warnings
+
+    import deepspeed
+
+    # torch deprecates the collective names DeepSpeed calls on every step; one warning per call floods logs.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
+    if "RANK" not in os.environ:  # plain `python -m recipe.train`: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               auto_mpi_discovery=False)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def use_bf16(cfg: Config) -> bool:
+    mode = str(cfg.bf16).lower()
+    return torch.cuda.is_available() if mode == "auto" else mode == "true"
+
+
+# ------------------------------------------------------------------------------------------
+# model and tokenizer
+# ------------------------------------------------------------------------------------------
+def model_path(cfg: Config) -> str:
+    if cfg.model_name_or_path.startswith("builtin:"):
+        from recipe.tiny import ensure_builtin
+
+        return str(ensure_builtin(cfg.model_name_or_path))
+    p = resolve_path(os.path.expanduser(cfg.model_name_or_path))
+    return str(p) if p.exists() else cfg.model_name_or_path
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer of {path} has no EOS token: completions could never stop")
+    return tok
+
+
+def load_model(path: str, cfg: Config):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # RL needs the training forward to see the same policy that sampled: no dropout.
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+# ------------------------------------------------------------------------------------------
+# DeepSpeed
+# ------------------------------------------------------------------------------------------
+def ds_config(cfg: Config, world_size: int, hidden_size: int, train: bool = True) -> dict:
+    """The JSON config with every batch, precision and optimizer field filled from the recipe's config."""
+    conf = json.loads(resolve_path(cfg.deepspeed_config).read_text())
+    conf["train_micro_batch_size_per_gpu"] = cfg.per_device_train_batch_size
+    conf["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
+    conf["train_batch_size"] = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
+    conf["gradient_clipping"] = cfg.max_grad_norm
+    bf16 = use_bf16(cfg)
+    conf["bf16"] = {**conf.get("bf16", {}), "enabled": bf16}
+    conf["fp16"] = {**conf.get("fp16", {}), "enabled": False}
+    zero = conf.setdefault("zero_optimization", {})
+    auto = {"stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "reduce_bucket_size": hidden_size * hidden_size}
+    for key, value in auto.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    opt = conf.get("optimizer")
+    if opt is not None:
+        fill = {"lr": cfg.learning_rate, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": cfg.adam_epsilon,
+                "weight_decay": cfg.weight_decay}
+        opt["params"] = {k: fill.get(k, v) if v == "auto" else v for k, v in opt.get("params", {}).items()}
+        for k, v in fill.items():
+            opt["params"].setdefault(k, v)
+        # Fused and CPU Adam kernels compile for about a minute on CPU; torch's AdamW is as exact.
+        if not torch.cuda.is_available() and opt.get("type", "").lower() in ("adam", "adamw"):
+            opt["params"]["torch_adam"] = True
+    if not train:
+        for key in ("optimizer", "scheduler"):
+            conf.pop(key, None)
+        zero.pop("offload_optimizer", None)
+    conf.setdefault("steps_per_print", 10**9)
+    conf.setdefault("wall_clock_breakdown", False)
+    return conf
+
+
+def init_engine(model, cfg: Config, world_size: int):
+    import deepspeed
+
+    conf = ds_config(cfg, world_size, model.config.hidden_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=conf)
+    return engine
+
+
+def init_reference(path: str, cfg: Config, world_size: int):
+    """A frozen copy of the starting policy, ZeRO-3 sharded like the policy, never given gradients."""
+    import deepspeed
+
+    ref = load_model(path, cfg)
+    ref.requires_grad_(False)
+    conf = ds_config(cfg, world_size, ref.config.hidden_size, train=False)
+    engine, *_ = deepspeed.initialize(model=ref, config=conf)
+    engine.eval()
+    return engine
+
+
+def is_zero3(engine) -> bool:
+    return engine.zero_optimization_partition_weights()
+
+
+@contextlib.contextmanager
+def gathered_for_generation(engine):
+    """All ZeRO-3 parameters gathered once, with ZeRO's per-module hooks removed meanwhile.
+
+    With the hooks in place every layer would be re-fetched and released at each decoding step.
+    """
+    import deepspeed
+
+    if not is_zero3(engine):
+        yield engine.module
+        return
+    offload = engine.optimizer.parameter_offload
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        offload._remove_module_hooks()
+        try:
+            yield engine.module
+        finally:
+            offload.setup_zero_stage3_hooks()
+
+
+def save_hf_model(engine, tokenizer, out_dir: Path, rank: int) -> None:
+    """Gather the ZeRO-3 weights layer by layer onto rank 0 and write an HF folder atomically."""
+    state = engine._zero3_consolidated_16bit_state_dict() if is_zero3(engine) else engine.module.state_dict()
+    if rank != 0:
+        return
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    engine.module.save_pretrained(tmp, state_dict=state)
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)

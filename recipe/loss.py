@@ -1,0 +1,98 @@
+"""GRPO loss math as pure functions of tensors (no DeepSpeed, no config objects).
+
+Normalization contract (what makes a rollout's update independent of how it is split):
+`reduce_loss` returns sum(units in this micro-batch) / normalizer, and the caller picks `normalizer`
+= (units in the whole optimizer step, all ranks) / world_size. DeepSpeed then sums micro-batches
+(backward with scale_wrt_gas=False) and averages ranks, which gives sum(all units) / all units.
+"""
+from __future__ import annotations
+
+import torch
+
+SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # normalized by sequences; bnpo and dapo by tokens
+
+
+def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T)[ids], per token, without materializing the full log-softmax."""
+    logits = logits.float() / temperature
+    picked = torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+    """(r - group mean) / std, std over the group, the whole batch, or not at all.
+
+    Groups whose rewards are all equal get advantage 0 (never NaN): the std is floored at 1e-4.
+    """
+    grouped = rewards.view(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        std = grouped.std(dim=1, keepdim=True)
+    elif scale == "batch":
+        std = rewards.std().expand_as(grouped[:, :1]) if rewards.numel() > 1 else torch.zeros_like(grouped[:, :1])
+    elif scale == "none":
+        return centered.flatten()
+    else:
+        raise ValueError(f"scale_rewards: unknown {scale!r}")
+    return (centered / std.clamp(min=1e-4)).flatten()
+
+
+def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                      eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token -min(r A, clip(r, 1-eps_low, 1+eps_high) A), and the ratio r = exp(logp - old_logp)."""
+    coef_1 = torch.exp(logp - old_logp)
+    coef_2 = torch.clamp(coef_1, 1.0 - eps_low, 1.0 + eps_high)
+    adv = advantages.unsqueeze(-1)
+    return -torch.min(coef_1 * adv, coef_2 * adv), coef_1
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref), per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, normalizer: float,
+                max_completion_length: int) -> torch.Tensor:
+    """Sum this micro-batch's loss units and divide by `normalizer` (see the module docstring).
+
+    grpo: unit = a sequence's mean token loss; dr_grpo: a sequence's token-loss sum / max_completion_length;
+    bnpo and dapo: unit = a token (they differ only in the normalizer the caller passes).
+    """
+    masked = per_token * mask
+    if loss_type == "grpo":
+        units = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        units = masked.sum(-1) / max_completion_length
+    elif loss_type in ("bnpo", "dapo"):
+        units = masked
+    else:
+        raise ValueError(f"loss_type: unknown {loss_type!r}")
+    return units.sum() / normalizer
+
+
+def clip_counts(coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                eps_low: float, eps_high: float) -> torch.Tensor:
+    """Token counts [low, high, region, total] where clipping removed the gradient.
+
+    low: A < 0 and r < 1 - eps_low; high: A > 0 and r > 1 + eps_high; region: r outside the interval.
+    """
+    adv = advantages.unsqueeze(-1)
+    below, above = coef_1 < 1.0 - eps_low, coef_1 > 1.0 + eps_high
+    m = mask.bool()
+    return torch.stack([((below & (adv < 0)) & m).sum(), ((above & (adv > 0)) & m).sum(),
+                        ((below | above) & m).sum(), m.sum()]).float()
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                loss_type: str, eps_low: float, eps_high: float, normalizer: float, max_completion_length: int,
+                beta: float = 0.0, ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """The GRPO loss of one micro-batch, and detached statistics for logging."""
+    per_token, coef_1 = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)
+    stats = {"clip_counts": clip_counts(coef_1.detach(), advantages, mask, eps_low, eps_high)}
+    if beta > 0.0:
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token + beta * kl
+        stats["kl_sum"] = (kl.detach() * mask).sum()
+    loss = reduce_loss(per_token, mask, loss_type, normalizer, max_completion_length)
+    return loss, stats

@@ -1,0 +1,145 @@
+"""GRPO with multi-step rollout reuse on a DeepSpeed ZeRO-3 engine.
+
+    python -m recipe.train --config recipe/configs/quickstart.yaml [--key value ...]
+
+Works as a plain process (a world of one), under torchrun, and under the deepspeed launcher.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from recipe import engine as eng
+from recipe.buffer import RolloutBuffer
+from recipe.config import Config, ConfigError, load_config
+from recipe.data import DataError, PromptStream, load_prompt_dataset
+from recipe.generation import build_generator
+from recipe.loss import group_advantages
+from recipe.metrics import MetricsLogger, Timer, reward_quarters
+from recipe.rewards import RewardError, load_reward_funcs, score
+from recipe.update import compute_old_logps, normalizers, train_step
+
+
+def setup(cfg: Config) -> SimpleNamespace:
+    """Build every component from the config, cheapest and most likely to fail first."""
+    rank, world = eng.init_distributed()
+    random.seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)
+    path = eng.model_path(cfg)
+    tokenizer = eng.load_tokenizer(path)
+    stream = PromptStream(load_prompt_dataset(cfg), tokenizer, cfg, rank, world)
+    model = eng.load_model(path, cfg)
+    engine = eng.init_engine(model, cfg, world)
+    ref = eng.init_reference(path, cfg, world) if cfg.beta > 0.0 else None
+    return SimpleNamespace(cfg=cfg, rank=rank, world=world, tokenizer=tokenizer, stream=stream, engine=engine,
+                           ref=ref, rewards=load_reward_funcs(cfg.reward_funcs),
+                           generator=build_generator(cfg, engine, tokenizer))
+
+
+def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_prompts: int,
+                  error: bool) -> dict:
+    """Reward and completion statistics over all ranks, in one all-reduce (which also shares errors)."""
+    lengths = comp.mask.sum(-1)
+    vec = torch.tensor([rewards.sum(), (rewards ** 2).sum(), rewards.numel(), lengths.sum(),
+                        comp.truncated.float().sum(), num_truncated_prompts, float(error),
+                        *[v.sum() for v in per_func.values()]], dtype=torch.float64)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(vec)
+    n = vec[2].item()
+    mean = vec[0].item() / n
+    out = {"reward_mean": mean, "reward_std": max(vec[1].item() / n - mean ** 2, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5,
+           "completion_length_mean": vec[3].item() / n, "truncated_fraction": vec[4].item() / n,
+           "prompts_truncated": int(vec[5].item()), "failed_ranks": int(vec[6].item())}
+    out.update({f"reward/{k}": vec[7 + i].item() / n for i, k in enumerate(per_func)})
+    return out
+
+
+def train(c: SimpleNamespace) -> list[dict]:
+    cfg, G, timer = c.cfg, c.cfg.num_generations, Timer()
+    logger = MetricsLogger(Path(cfg.output_dir), c.rank, cfg.max_steps, tensorboard=cfg.report_to_tensorboard,
+                           disable_tqdm=cfg.disable_tqdm)
+    step, old_logp_forwards, prompts_truncated, records = 0, 0, 0, []
+    last = time.perf_counter()
+    for rollout in itertools.count():
+        # 1. generate: complete groups for this rank's own prompts
+        batch = c.stream.batch(rollout)
+        with timer("generate"):
+            comp = c.generator.generate(batch.prompt_ids, seed=(cfg.seed + (rollout * c.world + c.rank) * 1000) % 2**31)
+        # 2. score (a bad reward on any rank stops every rank with that rank's message)
+        rows, error = batch.repeat(G), None
+        with timer("score"):
+            try:
+                rewards, per_func = score(c.rewards, rows.prompts, comp.texts, rows.columns)
+            except RewardError as e:
+                error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in c.rewards}
+        stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
+        if stats.pop("failed_ranks"):
+            raise error or RewardError("a reward function failed on another rank (its log names it)")
+        prompts_truncated += stats.pop("prompts_truncated")
+        # 3. group advantages and the rank-local rollout buffer
+        advantages = group_advantages(rewards, G, cfg.scale_rewards)
+        mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
+        buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, c.tokenizer.pad_token_id,
+                                  order_seed=cfg.seed * 100_003 + rollout)
+        # 4. old log-probs: only those that the first pass cannot capture from its own forward
+        with timer("old_logp"):
+            old_logp_forwards += compute_old_logps(c.engine, buf, cfg)
+        norms = normalizers(buf, cfg, c.world)
+        # 5. mu passes over the rollout, each split into steps_per_generation optimizer steps
+        for it in range(cfg.num_iterations):
+            for s, micro_batches in enumerate(buf.schedule(it, cfg.steps_per_generation, cfg.per_device_train_batch_size)):
+                with timer("train"):
+                    out = train_step(c.engine, c.ref, buf, micro_batches, norms[it, s].item(), cfg,
+                                     capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0)
+                step += 1
+                now = time.perf_counter()
+                record = {"step": step, "generation": rollout, "iteration": it, **out, **stats,
+                          "prompts_truncated": prompts_truncated, "old_logp_forwards": old_logp_forwards,
+                          **timer.pop("generate", "score", "old_logp", "train"), "step_time_s": now - last}
+                record["tokens_per_s"] = out["train_tokens"] / record["step_time_s"]
+                last = now
+                records.append(record)
+                if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+                    logger.log(record)
+                if step >= cfg.max_steps:
+                    logger.close()
+                    return records
+        c.generator.sync(c.engine)  # the next rollout must sample from the updated policy
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(argv)
+    except (ConfigError, RewardError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        c = setup(cfg)
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
+    records = train(c)
+    final = Path(cfg.output_dir) / "final"
+    eng.save_hf_model(c.engine, c.tokenizer, final, c.rank)
+    c.generator.close()
+    if c.rank == 0:
+        first, last = reward_quarters(records)
+        print(f"reward_mean: first quarter {first:.3f} -> last quarter {last:.3f}")
+        print(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}")
+        print(f"model:   {final}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
