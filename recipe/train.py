@@ -83,7 +83,7 @@ def train(c: SimpleNamespace) -> list[dict]:
                 error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in c.rewards}
         stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
         if stats.pop("failed_ranks"):
-            raise error or RewardError("a reward function failed on another rank (its log names it)")
+            raise error or RewardError(f"a reward function failed on another rank in rollout {rollout}")
         prompts_truncated += stats.pop("prompts_truncated")
         # 3. group advantages and the rank-local rollout buffer
         advantages = group_advantages(rewards, G, cfg.scale_rewards)
@@ -127,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
-    records = train(c)
+    try:
+        records = train(c)
+    except RewardError as e:  # a user's function misbehaved: say which, on every rank, without a traceback
+        print(f"reward error (rank {c.rank}): {e}", file=sys.stderr)
+        return 1
     final = Path(cfg.output_dir) / "final"
     eng.save_hf_model(c.engine, c.tokenizer, final, c.rank)
     c.generator.close()

@@ -1,0 +1,93 @@
+"""Worker (run under torchrun): the recipe's own update path on a fixed rollout, for parity tests.
+
+    torchrun --nproc_per_node N tests/dist_update.py OUT.pt '[{"name": ..., <Config overrides>}, ...]'
+
+For each case: fresh engine from the tiny model, this rank's shard of a fixed global rollout, old
+log-probs, normalizers, mu passes of train_step -- exactly what recipe.train does -- then rank 0 saves
+the gathered weights and counters.
+"""
+import json
+import sys
+
+import torch
+
+from recipe import engine as eng
+from recipe.buffer import RolloutBuffer
+from recipe.config import Config
+from recipe.update import compute_old_logps, normalizers, train_step
+
+# adam_epsilon 1e-6: Adam turns float noise in near-zero gradients (e.g. the attention key bias, whose exact
+# gradient is 0) into lr-sized steps of random sign; a larger eps keeps the comparison about the update itself.
+BASE = dict(model_name_or_path="builtin:tiny-qwen2", learning_rate=1e-3, max_grad_norm=0.0, num_generations=4,
+            adam_epsilon=1e-6,
+            per_device_train_batch_size=2, max_completion_length=8, epsilon=0.2, epsilon_high=0.28)
+
+
+def fixed_rollout(n: int, seed: int = 0, vocab: int = 500, eos: int = 0):
+    """n samples: prompts of 3..6 tokens, completions of 2..8 tokens (some ending in EOS), advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, comps = [], []
+    for i in range(n):
+        p_len = 3 + int(torch.randint(0, 4, (1,), generator=g))
+        c_len = 2 + int(torch.randint(0, 7, (1,), generator=g))
+        prompts.append(torch.randint(1, vocab, (p_len,), generator=g).tolist())
+        c = torch.randint(1, vocab, (c_len,), generator=g).tolist()
+        if i % 3 == 0:
+            c[-1] = eos
+        comps.append(c)
+    adv = torch.randn(n, generator=g)
+    return prompts, comps, adv
+
+
+def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0) -> RolloutBuffer:
+    n = cfg.completions_per_rollout
+    prompts, comps, adv = fixed_rollout(n * world)
+    sl = slice(rank * n, (rank + 1) * n)
+    prompts, comps = prompts[sl], comps[sl]
+    width = max(len(c) for c in comps)
+    mask = torch.zeros(n, width)
+    for i, c in enumerate(comps):
+        mask[i, :len(c)] = 1
+    return RolloutBuffer.build(prompts, comps, adv[sl], mask, pad_id, order_seed=1000 + rank)
+
+
+def main():
+    out_path, cases = sys.argv[1], json.loads(sys.argv[2])
+    rank, world = eng.init_distributed()
+    results = {}
+    for case in cases:
+        name = case.pop("name")
+        cfg = Config(**{**BASE, **case})
+        path = eng.model_path(cfg)
+        torch.manual_seed(0)
+        engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
+        ref = eng.init_reference(path, cfg, world) if cfg.beta > 0 else None
+        buf = local_buffer(cfg, rank, world)
+        stores = torch.zeros(len(buf), dtype=torch.long)
+        original_store = buf.store_old_logps
+
+        def counting_store(idx, logps):
+            stores[idx] += 1
+            original_store(idx, logps)
+
+        buf.store_old_logps = counting_store
+        forwards = compute_old_logps(engine, buf, cfg)
+        norms = normalizers(buf, cfg, world)
+        for it in range(cfg.num_iterations):
+            for s, mbs in enumerate(buf.schedule(it, cfg.steps_per_generation, cfg.per_device_train_batch_size)):
+                train_step(engine, ref, buf, mbs, norms[it, s].item(), cfg,
+                           capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0)
+        state = engine._zero3_consolidated_16bit_state_dict()
+        all_stores = [torch.zeros_like(stores) for _ in range(world)]
+        torch.distributed.all_gather(all_stores, stores)
+        if rank == 0:
+            results[name] = {"state": {k: v.clone() for k, v in state.items()}, "old_logp_forwards": forwards,
+                             "stores": torch.cat(all_stores), "old_logps": buf.old_logps.clone()}
+        engine.destroy()
+    if rank == 0:
+        torch.save(results, out_path)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

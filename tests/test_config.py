@@ -1,0 +1,70 @@
+"""Config: YAML + CLI overrides, validation with one-line messages and exit code 2 before any work."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, cpu_env
+from recipe.config import Config, ConfigError, load_config, parse_cli
+
+QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
+
+
+def test_yaml_and_cli_overrides():
+    cfg = load_config(["--config", QUICKSTART, "--num_iterations", "2", "--epsilon_high=0.3", "--local_rank=0",
+                       "--reward_funcs", "[length, accuracy]"])
+    assert cfg.num_iterations == 2 and cfg.epsilon_high == 0.3 and cfg.eps_high == 0.3
+    assert cfg.reward_funcs == ["length", "accuracy"]
+    assert cfg.num_generations == 8  # from the YAML
+    assert load_config([]).loss_type == Config().loss_type
+
+
+def test_derived_sizes():
+    cfg = Config(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3,
+                 num_generations=4)
+    assert cfg.completions_per_rollout == 24 and cfg.prompts_per_rollout == 6
+    assert not Config(num_iterations=1, steps_per_generation=1).needs_old_logps
+    assert Config(num_iterations=2).needs_old_logps and Config(steps_per_generation=2).needs_old_logps
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_iterations", "0"], "num_iterations: mu must be >= 1"),
+    (["--epsilon", "1.5"], "epsilon: must be in (0, 1)"),
+    (["--epsilon", "0"], "epsilon: must be in (0, 1)"),
+    (["--num_generations", "3"], "must be divisible by num_generations = 3"),
+    (["--loss_type", "ppo"], "loss_type: must be one of"),
+    (["--scale_rewards", "maybe"], "scale_rewards: must be one of"),
+    (["--no_such_key", "1"], "unknown config key(s): no_such_key"),
+    (["--learning_rate", "abc"], "learning_rate: expected float"),
+    (["--dataset_name", "missing/prompts.jsonl"], "dataset_name: file not found"),
+    (["--deepspeed_config", "nope.json"], "deepspeed_config: file not found"),
+    (["--model_name_or_path", "./no/such/model"], "model_name_or_path: folder not found"),
+    (["--model_name_or_path", "builtin:huge"], "unknown built-in"),
+    (["--reward_funcs", "[nosuchmodule_xyz:fn]"], "cannot import module"),
+    (["--reward_funcs", "[length_typo]"], "is not a built-in"),
+    (["--per_device_train_batch_size", "0"], "per_device_train_batch_size: must be >= 1"),
+])
+def test_bad_values_are_named(args, message):
+    with pytest.raises(Exception) as e:
+        load_config(["--config", QUICKSTART, *args])
+    assert message in str(e.value)
+
+
+def test_missing_config_file_and_bad_cli():
+    with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
+        load_config(["--config", "nope.yaml"])
+    with pytest.raises(ConfigError, match="missing value"):
+        parse_cli(["--seed"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_cli(["seed", "3"])
+
+
+def test_cli_exits_2_with_one_line_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, "--num_iterations", "0",
+                           "--output_dir", str(out)], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["config error: num_iterations: mu must be >= 1, got 0"]
+    assert not out.exists()  # nothing was started or written

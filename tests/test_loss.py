@@ -1,0 +1,139 @@
+"""Loss math against direct formulas (no DeepSpeed)."""
+import math
+
+import pytest
+import torch
+
+from recipe.loss import clip_counts, group_advantages, k3_kl, policy_loss, reduce_loss, token_logps
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def _batch(seed=0, b=4, t=6):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g) * 3
+    old = logp + 0.3 * torch.randn(b, t, generator=g)
+    adv = torch.randn(b, generator=g)
+    mask = torch.ones(b, t)
+    mask[0, 4:] = 0
+    mask[2, 2:] = 0
+    return logp, old, adv, mask
+
+
+def direct_loss(logp, old, adv, mask, loss_type, normalizer, max_len, eps_lo=0.2, eps_hi=0.28, beta=0.0, ref=None):
+    """Element by element, straight from the definitions."""
+    b, t = logp.shape
+    per_seq, total = [], 0.0
+    for i in range(b):
+        row = []
+        for j in range(t):
+            r = math.exp(logp[i, j] - old[i, j])
+            a = adv[i].item()
+            val = -min(r * a, min(max(r, 1 - eps_lo), 1 + eps_hi) * a)
+            if beta:
+                d = (ref[i, j] - logp[i, j]).item()
+                val += beta * (math.exp(d) - d - 1)
+            if mask[i, j]:
+                row.append(val)
+        per_seq.append(row)
+    if loss_type == "grpo":
+        total = sum(sum(r) / max(len(r), 1) for r in per_seq)
+    elif loss_type == "dr_grpo":
+        total = sum(sum(r) / max_len for r in per_seq)
+    else:
+        total = sum(sum(r) for r in per_seq)
+    return total / normalizer
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_policy_loss_matches_direct_formula(loss_type, beta):
+    logp, old, adv, mask = _batch()
+    ref = logp - 0.2
+    loss, _ = policy_loss(logp, old, adv, mask, loss_type=loss_type, eps_low=0.2, eps_high=0.28,
+                          normalizer=3.5, max_completion_length=10, beta=beta, ref_logp=ref)
+    expected = direct_loss(logp, old, adv, mask, loss_type, 3.5, 10, beta=beta, ref=ref)
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_mu1_gradient_is_plain_policy_gradient(loss_type):
+    """With old = logp.detach() the ratio is 1 and the gradient is that of -A * logp, same normalization."""
+    logits = torch.randn(3, 5, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (3, 5))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float)
+    adv = torch.tensor([0.7, -1.2, 0.4])
+    logp = token_logps(logits, ids)
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, loss_type=loss_type, eps_low=0.2, eps_high=0.2,
+                          normalizer=2.0, max_completion_length=5)
+    (g,) = torch.autograd.grad(loss, logits)
+
+    logits2 = logits.detach().clone().requires_grad_(True)
+    lp = torch.log_softmax(logits2, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    pg = -adv.unsqueeze(-1) * lp * mask
+    if loss_type == "grpo":
+        ref = (pg.sum(-1) / mask.sum(-1)).sum() / 2.0
+    elif loss_type == "dr_grpo":
+        ref = (pg.sum(-1) / 5).sum() / 2.0
+    else:
+        ref = pg.sum() / 2.0
+    (g_ref,) = torch.autograd.grad(ref, logits2)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_clipping_zeroes_gradient_exactly_where_it_should():
+    eps_lo, eps_hi = 0.2, 0.3
+    ratios = torch.tensor([[0.5, 0.9, 1.0, 1.2, 1.6], [0.5, 0.9, 1.0, 1.2, 1.6]])
+    adv = torch.tensor([1.0, -1.0])
+    old = torch.zeros(2, 5)
+    logp = torch.log(ratios).requires_grad_(True)
+    mask = torch.ones(2, 5)
+    loss, stats = policy_loss(logp, old, adv, mask, loss_type="bnpo", eps_low=eps_lo, eps_high=eps_hi,
+                              normalizer=1.0, max_completion_length=5)
+    (g,) = torch.autograd.grad(loss, logp)
+    # A > 0: only r > 1 + eps_hi (1.6) is clipped; A < 0: only r < 1 - eps_lo (0.5) is clipped.
+    expected_zero = torch.tensor([[False, False, False, False, True], [True, False, False, False, False]])
+    assert torch.equal(g == 0, expected_zero)
+    assert torch.all(g[~expected_zero].abs() > 0)
+    # pessimistic side keeps the gradient: A > 0, r = 0.5 and A < 0, r = 1.6 still train
+    low, high, region, total = stats["clip_counts"].tolist()
+    assert (low, high, region, total) == (1, 1, 4, 10)
+
+
+def test_reduce_loss_units_and_mask():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert reduce_loss(per_token, mask, "grpo", 2.0, 3).item() == pytest.approx((1.5 + 5.0) / 2)
+    assert reduce_loss(per_token, mask, "dr_grpo", 2.0, 3).item() == pytest.approx((3 / 3 + 15 / 3) / 2)
+    assert reduce_loss(per_token, mask, "bnpo", 5.0, 3).item() == pytest.approx(18 / 5)
+    with pytest.raises(ValueError, match="loss_type"):
+        reduce_loss(per_token, mask, "ppo", 1.0, 3)
+
+
+def test_group_advantages():
+    r = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0])
+    a = group_advantages(r, 4, "group")
+    g0 = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    torch.testing.assert_close(a[:4], (g0 - g0.mean()) / g0.std())
+    assert torch.equal(a[4:], torch.zeros(4))  # zero-std group: zero advantage, never NaN
+    b = group_advantages(r, 4, "batch")
+    torch.testing.assert_close(b[:4], (g0 - g0.mean()) / r.std())
+    n = group_advantages(r, 4, "none")
+    torch.testing.assert_close(n[:4], g0 - g0.mean())
+    assert not torch.isnan(group_advantages(torch.ones(8), 4, "batch")).any()
+
+
+def test_token_logps_and_k3():
+    logits = torch.randn(2, 3, 7)
+    ids = torch.randint(0, 7, (2, 3))
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(token_logps(logits, ids, 0.7), expected)
+    lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.5])
+    kl = k3_kl(lp, ref)
+    assert kl[0].item() == 0.0 and kl[1].item() == pytest.approx(math.exp(0.5) - 0.5 - 1)
+
+
+def test_clip_counts_respects_mask():
+    coef = torch.tensor([[0.1, 5.0]])
+    counts = clip_counts(coef, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), 0.2, 0.2)
+    assert counts.tolist() == [0.0, 0.0, 1.0, 1.0]
