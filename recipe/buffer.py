@@ -58,6 +58,13 @@ class RolloutBuffer:
         per_step = len(self) // steps
         return [list(order[s * per_step:(s + 1) * per_step].split(micro_batch_size)) for s in range(steps)]
 
+    def optimizer_steps(self, passes: int, steps: int, micro_batch_size: int, after: tuple[int, int] | None = None):
+        """(pass, step, micro-batch indices) for every optimizer step fed by this rollout, after `after` if given."""
+        for p in range(passes):
+            for s, micro_batches in enumerate(self.schedule(p, steps, micro_batch_size)):
+                if after is None or (p, s) > tuple(after):
+                    yield p, s, micro_batches
+
     def micro_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
                 "completion_mask": self.completion_mask[idx], "advantages": self.advantages[idx],

@@ -73,6 +73,9 @@ class Config:
     output_dir: str = "output"
     deepspeed_config: str = "ds_configs/zero3.json"
     logging_steps: int = 1
+    save_steps: int = 100  # checkpoint every N optimizer steps (and at the end); 0 = never
+    save_total_limit: int = 2  # keep the newest N complete checkpoints; 0 = keep all
+    resume_from_checkpoint: str | None = None  # auto = the newest complete one in output_dir; or a step-* folder
     report_to_tensorboard: bool = False
     disable_tqdm: bool = False
 
@@ -224,6 +227,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(0.0 < cfg.top_p <= 1.0, f"top_p: must be in (0, 1], got {cfg.top_p}")
     need(cfg.top_k >= 0, f"top_k: must be >= 0, got {cfg.top_k}")
     need(cfg.learning_rate > 0.0, f"learning_rate: must be > 0, got {cfg.learning_rate}")
+    need(cfg.save_steps >= 0, f"save_steps: must be >= 0, got {cfg.save_steps}")
+    need(cfg.save_total_limit >= 0, f"save_total_limit: must be >= 0, got {cfg.save_total_limit}")
     need(cfg.max_grad_norm >= 0.0, f"max_grad_norm: must be >= 0, got {cfg.max_grad_norm}")
     need(cfg.generation_backend in ("hf",), f"generation_backend: must be 'hf', got {cfg.generation_backend!r}")
     need(str(cfg.bf16).lower() in ("auto", "true", "false"), f"bf16: must be auto, true or false, got {cfg.bf16!r}")

@@ -35,7 +35,12 @@ class MetricsLogger:
         if rank != 0:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("w")
+        if initial_step > 0 and self.path.exists():  # resumed: drop steps logged after the checkpoint
+            kept = [r for r in read_metrics(self.path) if r["step"] <= initial_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.file = self.path.open("a")
+        else:
+            self.file = self.path.open("w")
         if not disable_tqdm:
             from tqdm import tqdm
 
@@ -66,7 +71,16 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The JSON lines of a metrics file; a torn last line (a kill mid-write) is dropped."""
+    if not Path(path).exists():
+        return []
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 def reward_quarters(records: list[dict]) -> tuple[float, float]:

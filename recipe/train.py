@@ -19,11 +19,12 @@ import torch.distributed as dist
 
 from recipe import engine as eng
 from recipe.buffer import RolloutBuffer
+from recipe.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError, Checkpointer
 from recipe.config import Config, ConfigError, load_config
 from recipe.data import DataError, PromptStream, load_prompt_dataset
 from recipe.generation import build_generator
 from recipe.loss import group_advantages
-from recipe.metrics import MetricsLogger, Timer, reward_quarters
+from recipe.metrics import MetricsLogger, Timer, read_metrics, reward_quarters
 from recipe.rewards import RewardError, load_reward_funcs, score
 from recipe.update import compute_old_logps, normalizers, train_step
 
@@ -34,15 +35,27 @@ def setup(cfg: Config) -> SimpleNamespace:
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
+    checkpointer = Checkpointer(cfg, rank, world)
+    resume_from = checkpointer.find()
+    if resume_from is not None:
+        checkpointer.check_config(resume_from)  # before any model is loaded
     path = eng.model_path(cfg)
     tokenizer = eng.load_tokenizer(path)
     stream = PromptStream(load_prompt_dataset(cfg), tokenizer, cfg, rank, world)
     model = eng.load_model(path, cfg)
     engine = eng.init_engine(model, cfg, world)
     ref = eng.init_reference(path, cfg, world) if cfg.beta > 0.0 else None
+    generator = build_generator(cfg, engine, tokenizer)
+    resume = None
+    if resume_from is not None:
+        resume = checkpointer.load(resume_from, engine)
+        generator.sync(engine)
+        if rank == 0:
+            print(f"resumed from {resume_from} at step {resume['step']}", file=sys.stderr)
+    checkpointer.install_signal_handlers()
     return SimpleNamespace(cfg=cfg, rank=rank, world=world, tokenizer=tokenizer, stream=stream, engine=engine,
-                           ref=ref, rewards=load_reward_funcs(cfg.reward_funcs),
-                           generator=build_generator(cfg, engine, tokenizer))
+                           ref=ref, rewards=load_reward_funcs(cfg.reward_funcs), generator=generator,
+                           checkpointer=checkpointer, resume=resume)
 
 
 def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_prompts: int,
@@ -63,56 +76,70 @@ def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_pro
     return out
 
 
-def train(c: SimpleNamespace) -> list[dict]:
-    cfg, G, timer = c.cfg, c.cfg.num_generations, Timer()
-    logger = MetricsLogger(Path(cfg.output_dir), c.rank, cfg.max_steps, tensorboard=cfg.report_to_tensorboard,
-                           disable_tqdm=cfg.disable_tqdm)
-    step, old_logp_forwards, prompts_truncated, records = 0, 0, 0, []
-    last = time.perf_counter()
-    for rollout in itertools.count():
-        # 1. generate: complete groups for this rank's own prompts
-        batch = c.stream.batch(rollout)
-        with timer("generate"):
-            comp = c.generator.generate(batch.prompt_ids, seed=(cfg.seed + (rollout * c.world + c.rank) * 1000) % 2**31)
-        # 2. score (a bad reward on any rank stops every rank with that rank's message)
-        rows, error = batch.repeat(G), None
-        with timer("score"):
-            try:
-                rewards, per_func = score(c.rewards, rows.prompts, comp.texts, rows.columns)
-            except RewardError as e:
-                error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in c.rewards}
-        stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
-        if stats.pop("failed_ranks"):
-            raise error or RewardError(f"a reward function failed on another rank in rollout {rollout}")
-        prompts_truncated += stats.pop("prompts_truncated")
-        # 3. group advantages and the rank-local rollout buffer
-        advantages = group_advantages(rewards, G, cfg.scale_rewards)
-        mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
-        buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, c.tokenizer.pad_token_id,
-                                  order_seed=cfg.seed * 100_003 + rollout)
-        # 4. old log-probs: only those that the first pass cannot capture from its own forward
-        with timer("old_logp"):
-            old_logp_forwards += compute_old_logps(c.engine, buf, cfg)
+def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], bool]:
+    """The loop. Returns the step records and whether it stopped early for a signal (after a checkpoint)."""
+    cfg, G, timer, ckpt = c.cfg, c.cfg.num_generations, Timer(), c.checkpointer
+    r = resume or {}
+    step, position = r.get("step", 0), r.get("position")
+    old_logp_forwards, prompts_truncated = r.get("old_logp_forwards", 0), r.get("prompts_truncated", 0)
+    logger = MetricsLogger(Path(cfg.output_dir), c.rank, cfg.max_steps, initial_step=step,
+                           tensorboard=cfg.report_to_tensorboard, disable_tqdm=cfg.disable_tqdm)
+    records, last = [], time.perf_counter()
+    if step >= cfg.max_steps:
+        logger.close()
+        return records, False
+    for rollout in itertools.count(r.get("rollout", 0)):
+        if "buffer" in r:  # resuming inside this rollout: same samples, same old log-probs
+            buf, stats = RolloutBuffer.from_state_dict(r.pop("buffer")), r.pop("stats")
+        else:
+            # 1. generate: complete groups for this rank's own prompts
+            batch = c.stream.batch(rollout)
+            with timer("generate"):
+                comp = c.generator.generate(batch.prompt_ids, seed=(cfg.seed + (rollout * c.world + c.rank) * 1000) % 2**31)
+            # 2. score (a bad reward on any rank stops every rank with that rank's message)
+            rows, error = batch.repeat(G), None
+            with timer("score"):
+                try:
+                    rewards, per_func = score(c.rewards, rows.prompts, comp.texts, rows.columns)
+                except RewardError as e:
+                    error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in c.rewards}
+            stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
+            if stats.pop("failed_ranks"):
+                raise error or RewardError(f"a reward function failed on another rank in rollout {rollout}")
+            prompts_truncated += stats.pop("prompts_truncated")
+            # 3. group advantages and the rank-local rollout buffer
+            advantages = group_advantages(rewards, G, cfg.scale_rewards)
+            mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
+            buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, c.tokenizer.pad_token_id,
+                                      order_seed=cfg.seed * 100_003 + rollout)
+            # 4. old log-probs: only those that the first pass cannot capture from its own forward
+            with timer("old_logp"):
+                old_logp_forwards += compute_old_logps(c.engine, buf, cfg)
         norms = normalizers(buf, cfg, c.world)
         # 5. mu passes over the rollout, each split into steps_per_generation optimizer steps
-        for it in range(cfg.num_iterations):
-            for s, micro_batches in enumerate(buf.schedule(it, cfg.steps_per_generation, cfg.per_device_train_batch_size)):
-                with timer("train"):
-                    out = train_step(c.engine, c.ref, buf, micro_batches, norms[it, s].item(), cfg,
-                                     capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0)
-                step += 1
-                now = time.perf_counter()
-                record = {"step": step, "generation": rollout, "iteration": it, **out, **stats,
-                          "prompts_truncated": prompts_truncated, "old_logp_forwards": old_logp_forwards,
-                          **timer.pop("generate", "score", "old_logp", "train"), "step_time_s": now - last}
-                record["tokens_per_s"] = out["train_tokens"] / record["step_time_s"]
-                last = now
-                records.append(record)
-                if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-                    logger.log(record)
-                if step >= cfg.max_steps:
-                    logger.close()
-                    return records
+        for it, s, micro_batches in buf.optimizer_steps(cfg.num_iterations, cfg.steps_per_generation,
+                                                        cfg.per_device_train_batch_size, after=position):
+            with timer("train"):
+                out = train_step(c.engine, c.ref, buf, micro_batches, norms[it, s].item(), cfg,
+                                 capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0)
+            step, now = step + 1, time.perf_counter()
+            record = {"step": step, "generation": rollout, "iteration": it, **out, **stats,
+                      "prompts_truncated": prompts_truncated, "old_logp_forwards": old_logp_forwards,
+                      **timer.pop("generate", "score", "old_logp", "train"), "step_time_s": now - last}
+            record["tokens_per_s"], last = out["train_tokens"] / record["step_time_s"], now
+            records.append(record)
+            if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+                logger.log(record)
+            # 6. checkpoint on schedule, at the end, or when a signal asks every rank to stop
+            stop, done = ckpt.stop_requested(), step >= cfg.max_steps
+            if stop or ckpt.should_save(step) or (done and cfg.save_steps > 0):
+                ckpt.save(c.engine, step, {"step": step, "rollout": rollout, "position": (it, s), "stats": stats,
+                                           "old_logp_forwards": old_logp_forwards,
+                                           "prompts_truncated": prompts_truncated, "buffer": buf.state_dict()})
+            if stop or done:
+                logger.close()
+                return records, stop and not done
+        position = None
         c.generator.sync(c.engine)  # the next rollout must sample from the updated policy
 
 
@@ -124,25 +151,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         c = setup(cfg)
-    except DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
+    except (DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        records = train(c)
+        records, preempted = train(c, c.resume)
     except RewardError as e:  # a user's function misbehaved: say which, on every rank, without a traceback
         print(f"reward error (rank {c.rank}): {e}", file=sys.stderr)
         return 1
     final = Path(cfg.output_dir) / "final"
-    eng.save_hf_model(c.engine, c.tokenizer, final, c.rank)
+    if not preempted:
+        eng.save_hf_model(c.engine, c.tokenizer, final, c.rank)
     c.generator.close()
     if c.rank == 0:
-        first, last = reward_quarters(records)
-        print(f"reward_mean: first quarter {first:.3f} -> last quarter {last:.3f}")
-        print(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}")
-        print(f"model:   {final}")
+        if preempted:
+            print(f"stopped by a signal at step {records[-1]['step'] if records else '?'}; checkpoint saved, "
+                  f"exit {PREEMPTED_EXIT_CODE}; rerun with --resume_from_checkpoint auto to continue", file=sys.stderr)
+        else:
+            first, last = reward_quarters(read_metrics(Path(cfg.output_dir) / "metrics.jsonl") or records)
+            print(f"reward_mean: first quarter {first:.3f} -> last quarter {last:.3f}")
+            print(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}")
+            print(f"model:   {final}")
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return PREEMPTED_EXIT_CODE if preempted else 0
 
 
 if __name__ == "__main__":

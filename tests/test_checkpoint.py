@@ -1,0 +1,190 @@
+"""Checkpoints: exact resume after SIGKILL or SIGTERM mid mu-cycle, atomic saves, config checks, safe loading."""
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, cpu_env, free_port, read_jsonl, torchrun
+from recipe.checkpoint import (PREEMPTED_EXIT_CODE, CheckpointError, Checkpointer, rng_state, safe_load,
+                               set_rng_state)
+from recipe.config import Config
+
+# The quickstart's shape (2 ranks, ZeRO-3, mu = 4) made short: 12 steps = 3 rollouts of 4 passes.
+RUN = ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "12", "--save_steps", "3",
+       "--save_total_limit", "0", "--disable_tqdm", "true"]
+TIMING = {"tokens_per_s", "time_generate_s", "time_score_s", "time_old_logp_s", "time_train_s", "step_time_s"}
+
+
+def weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def assert_same_run(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"{k} differs after resume"
+    ra, rb = comparable(read_jsonl(a / "metrics.jsonl")), comparable(read_jsonl(b / "metrics.jsonl"))
+    assert [r["step"] for r in rb] == list(range(1, 13))
+    assert ra == rb
+
+
+def start(out, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *RUN, "--output_dir", str(out), *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def signal_tree(pid, sig):
+    """Signal a launcher and all its descendants at once (torchrun starts each rank in its own session)."""
+    def children(p):
+        try:
+            kids = [int(c) for t in os.listdir(f"/proc/{p}/task")
+                    for c in open(f"/proc/{p}/task/{t}/children").read().split()]
+        except FileNotFoundError:
+            return []
+        return kids + [g for k in kids for g in children(k)]
+
+    for p in [pid, *children(pid)]:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_step(proc, out, step, timeout=300):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        path = out / "metrics.jsonl"
+        if path.exists() and any(r["step"] >= step for r in read_jsonl(path)):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "out"
+    torchrun(2, [*RUN, "--output_dir", str(out)])
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_mid_cycle_then_auto_resume_is_bit_identical(tmp_path, uninterrupted):
+    out = tmp_path / "out"
+    kill_after = random.Random().choice([4, 5, 6, 7, 8])
+    print(f"SIGKILL after step {kill_after}")
+    proc = start(out)
+    wait_for_step(proc, out, kill_after)
+    signal_tree(proc.pid, signal.SIGKILL)  # the launcher and every rank, with no chance to clean up
+    proc.wait()
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved and not (out / "final").exists()
+    assert int(saved[-1].split("-")[1]) % 4 != 0  # resuming in the middle of a rollout's mu passes
+    proc = torchrun(2, [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+    assert f"resumed from {out / 'checkpoints' / saved[-1]}" in proc.stderr, proc.stderr[-3000:]
+    assert_same_run(uninterrupted, out)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_75_and_resumes_identically(tmp_path, uninterrupted):
+    out = tmp_path / "out"
+    proc = start(out, "--save_steps", "0")  # no scheduled saves: the only checkpoint is the signal's
+    wait_for_step(proc, out, 6)
+    signal_tree(proc.pid, signal.SIGTERM)  # as Slurm signals every process of a job step
+    _, err = proc.communicate(timeout=120)
+    assert f"checkpoint saved, exit {PREEMPTED_EXIT_CODE}" in err, err[-4000:]
+    saved = list((out / "checkpoints").glob("step-*"))
+    assert len(saved) == 1 and not (out / "final").exists()
+    stopped_at = int(saved[0].name.split("-")[1])
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")][-1] == stopped_at
+    torchrun(2, [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "auto", "--save_steps", "0"])
+    assert_same_run(uninterrupted, out)
+
+
+def test_sigusr1_in_a_plain_process_exits_with_the_documented_code(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, *RUN, "--output_dir", str(out), "--save_steps", "0"], cwd=REPO,
+                            env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(proc, out, 2)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    assert len(list((out / "checkpoints").glob("step-*"))) == 1
+
+
+@pytest.mark.slow
+def test_truncated_checkpoint_is_skipped_and_previous_used(tmp_path, uninterrupted):
+    out = tmp_path / "out"
+    torchrun(2, [*RUN, "--output_dir", str(out), "--max_steps", "9"])  # checkpoints at 3, 6, 9
+    newest = out / "checkpoints" / "step-00000009"
+    victim = newest / "loop_rank1.pt"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a save cut off mid-write
+    (out / "checkpoints" / ".tmp-step-00000012").mkdir()  # an unfinished save is never a candidate
+    proc = torchrun(2, [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+    assert f"warning: skipping checkpoint {newest}: file loop_rank1.pt has" in proc.stderr
+    assert "resumed from" in proc.stderr and "step-00000006 at step 6" in proc.stderr
+    assert_same_run(uninterrupted, out)
+
+
+def test_resume_with_changed_num_generations_is_refused(tmp_path, uninterrupted):
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    os.symlink(uninterrupted / "checkpoints" / "step-00000012", out / "checkpoints" / "step-00000012")
+    proc = torchrun(2, [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "auto", "--num_generations", "4",
+                        "--max_steps", "20"], check=False)
+    assert proc.returncode != 0
+    assert "cannot resume from" in proc.stderr and "num_generations: 8 -> 4" in proc.stderr
+    assert "max_steps" not in proc.stderr.split("cannot resume")[1].split("\n")[0]  # allowed to change
+
+
+def test_explicit_path_must_be_complete(tmp_path):
+    cfg = Config(output_dir=str(tmp_path), resume_from_checkpoint=str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="not a folder"):
+        Checkpointer(cfg, 0, 1).find()
+    (tmp_path / "step-1").mkdir()
+    cfg.resume_from_checkpoint = str(tmp_path / "step-1")
+    with pytest.raises(CheckpointError, match="no meta.json"):
+        Checkpointer(cfg, 0, 1).find()
+    cfg.resume_from_checkpoint = "auto"
+    assert Checkpointer(cfg, 0, 1).find() is None  # nothing saved yet: a fresh start
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_loading_never_unpickles_code(tmp_path, monkeypatch, uninterrupted):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"step": 1, "x": Evil()}, tmp_path / "loop_rank0.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        safe_load(tmp_path / "loop_rank0.pt")
+    assert not (tmp_path / "PWNED").exists()
+    # while every file of a real checkpoint (DeepSpeed's shards included) loads under the same rule
+    for f in (uninterrupted / "checkpoints" / "step-00000012").rglob("*.pt"):
+        assert isinstance(safe_load(f), dict)
+
+
+def test_rng_states_round_trip():
+    import numpy as np
+
+    state = rng_state()
+    a = (random.random(), torch.rand(3), np.random.rand(2))
+    set_rng_state(state)
+    b = (random.random(), torch.rand(3), np.random.rand(2))
+    assert a[0] == b[0] and torch.equal(a[1], b[1]) and (a[2] == b[2]).all()
