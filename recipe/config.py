@@ -56,6 +56,10 @@ class Config:
     beta: float = 0.0  # KL coefficient against the frozen reference model
     loss_type: str = "dapo"
     mask_truncated_completions: bool = False
+    # Adaptive reuse (off when null): skip a rollout's remaining passes once a finished pass's mean approximate
+    # KL to the sampling policy, or its clipped-token fraction, exceeds the target.
+    reuse_target_kl: float | None = None
+    reuse_max_clip_fraction: float | None = None
     # --- batch shape (per rank) --------------------------------------------------------
     per_device_train_batch_size: int = 8  # completions per micro-batch
     gradient_accumulation_steps: int = 1
@@ -130,6 +134,11 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
             return value
         if a is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if a is float and isinstance(value, str):  # YAML 1.1 reads 1e-9 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if a is str and isinstance(value, str):
             return value
     if str in allowed and not isinstance(value, (dict, list)):
@@ -219,6 +228,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          f"= {cfg.completions_per_rollout} completions per rank must be divisible by num_generations = {cfg.num_generations}")
     need(0.0 < cfg.epsilon < 1.0, f"epsilon: must be in (0, 1), got {cfg.epsilon}")
     need(cfg.eps_high > 0.0, f"epsilon_high: must be > 0, got {cfg.epsilon_high}")
+    need(cfg.reuse_target_kl is None or cfg.reuse_target_kl > 0,
+         f"reuse_target_kl: must be > 0 or null, got {cfg.reuse_target_kl}")
+    need(cfg.reuse_max_clip_fraction is None or 0 < cfg.reuse_max_clip_fraction < 1,
+         f"reuse_max_clip_fraction: must be in (0, 1) or null, got {cfg.reuse_max_clip_fraction}")
     need(cfg.beta >= 0.0, f"beta: must be >= 0, got {cfg.beta}")
     need(cfg.loss_type in LOSS_TYPES, f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {cfg.loss_type!r}")
     need(cfg.scale_rewards in SCALE_REWARDS,

@@ -25,6 +25,7 @@ from recipe.data import DataError, PromptStream, load_prompt_dataset
 from recipe.generation import build_generator
 from recipe.loss import group_advantages
 from recipe.metrics import MetricsLogger, Timer, read_metrics, reward_quarters
+from recipe.reuse import ReuseController
 from recipe.rewards import RewardError, load_reward_funcs, score
 from recipe.update import compute_old_logps, normalizers, train_step
 
@@ -84,6 +85,9 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
     old_logp_forwards, prompts_truncated = r.get("old_logp_forwards", 0), r.get("prompts_truncated", 0)
     logger = MetricsLogger(Path(cfg.output_dir), c.rank, cfg.max_steps, initial_step=step,
                            tensorboard=cfg.report_to_tensorboard, disable_tqdm=cfg.disable_tqdm)
+    reuse = ReuseController(cfg)
+    if "reuse" in r:
+        reuse.load_state_dict(r["reuse"])
     records, last = [], time.perf_counter()
     if step >= cfg.max_steps:
         logger.close()
@@ -117,13 +121,17 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
                 old_logp_forwards += compute_old_logps(c.engine, buf, cfg)
         norms = normalizers(buf, cfg, c.world)
         # 5. mu passes over the rollout, each split into steps_per_generation optimizer steps
+        last_step = (cfg.num_iterations - 1, cfg.steps_per_generation - 1)
         for it, s, micro_batches in buf.optimizer_steps(cfg.num_iterations, cfg.steps_per_generation,
                                                         cfg.per_device_train_batch_size, after=position):
             with timer("train"):
                 out = train_step(c.engine, c.ref, buf, micro_batches, norms[it, s].item(), cfg,
                                  capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0)
+            reuse.observe(out)
+            # adaptive reuse: after a finished pass, maybe skip the rest of this rollout
+            skip_rest = reuse.enabled and s == cfg.steps_per_generation - 1 and reuse.pass_done()
             step, now = step + 1, time.perf_counter()
-            record = {"step": step, "generation": rollout, "iteration": it, **out, **stats,
+            record = {"step": step, "generation": rollout, "iteration": it, "passes_used": it + 1, **out, **stats,
                       "prompts_truncated": prompts_truncated, "old_logp_forwards": old_logp_forwards,
                       **timer.pop("generate", "score", "old_logp", "train"), "step_time_s": now - last}
             record["tokens_per_s"], last = out["train_tokens"] / record["step_time_s"], now
@@ -133,12 +141,15 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
             # 6. checkpoint on schedule, at the end, or when a signal asks every rank to stop
             stop, done = ckpt.stop_requested(), step >= cfg.max_steps
             if stop or ckpt.should_save(step) or (done and cfg.save_steps > 0):
-                ckpt.save(c.engine, step, {"step": step, "rollout": rollout, "position": (it, s), "stats": stats,
+                ckpt.save(c.engine, step, {"step": step, "rollout": rollout, "position": last_step if skip_rest else (it, s),
+                                           "stats": stats, "reuse": reuse.state_dict(),
                                            "old_logp_forwards": old_logp_forwards,
                                            "prompts_truncated": prompts_truncated, "buffer": buf.state_dict()})
             if stop or done:
                 logger.close()
                 return records, stop and not done
+            if skip_rest:
+                break
         position = None
         c.generator.sync(c.engine)  # the next rollout must sample from the updated policy
 

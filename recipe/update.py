@@ -66,7 +66,7 @@ def normalizers(buf: RolloutBuffer, cfg: Config, world_size: int) -> torch.Tenso
 def train_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizer: float,
                cfg: Config, capture_old_logps: bool) -> dict:
     """Backward over each micro-batch, then one optimizer step. Returns step statistics over all ranks."""
-    acc = torch.zeros(7, device=device())  # loss, clip low/high/region/tokens, kl sum, ratio sum
+    acc = torch.zeros(8, device=device())  # loss, clip low/high/region/tokens, kl sum, ratio sum, approx kl sum
     for idx in micro_batches:
         mb = _to_device(buf.micro_batch(idx))
         mask, c_len = mb["completion_mask"], mb["completion_mask"].shape[1]
@@ -89,14 +89,17 @@ def train_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor
         acc[0] += loss.detach()
         acc[1:5] += stats["clip_counts"]
         acc[5] += stats.get("kl_sum", 0.0)
-        acc[6] += (torch.exp(logp.detach() - old) * mask).sum()
+        d = logp.detach() - old
+        acc[6] += (torch.exp(d) * mask).sum()
+        acc[7] += ((torch.exp(d) - 1.0 - d) * mask).sum()  # k3 estimate of KL(sampling policy || current)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(acc)
     world = dist.get_world_size() if dist.is_initialized() else 1
     tokens = acc[4].clamp(min=1.0)
     out = {"loss": (acc[0] / world).item(), "clip_ratio_low": (acc[1] / tokens).item(),
            "clip_ratio_high": (acc[2] / tokens).item(), "clip_ratio_region": (acc[3] / tokens).item(),
-           "ratio_mean": (acc[6] / tokens).item(), "train_tokens": int(acc[4].item())}
+           "ratio_mean": (acc[6] / tokens).item(), "approx_kl": (acc[7] / tokens).item(),
+           "train_tokens": int(acc[4].item())}
     if cfg.beta > 0.0:
         out["kl"] = (acc[5] / tokens).item()
     grad_norm = engine.get_global_grad_norm()
