@@ -1,0 +1,69 @@
+"""Shared helpers for the benchmarks: launching recipe runs on CPU ranks and reading their metrics."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+QUICKSTART = "recipe/configs/quickstart.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, entry: list[str], overrides: list[str], log: Path) -> float:
+    """Run `entry` (e.g. ["-m", "recipe.train"]) under torchrun with nproc CPU ranks; returns wall seconds."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *entry, *overrides]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run failed ({proc.returncode}); see {log}")
+    return time.perf_counter() - t0
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def per_generation(records: list[dict]) -> list[dict]:
+    """One row per rollout: its reward and the wall time (sum of step times) at which that reward was known."""
+    rows, elapsed = [], 0.0
+    for r in records:
+        if r["iteration"] == 0 and (not rows or rows[-1]["generation"] != r["generation"]):
+            known_at = elapsed + r["time_generate_s"] + r["time_score_s"]
+            rows.append({"generation": r["generation"], "reward": r["reward_mean"], "time_s": known_at,
+                         "step": r["step"] - 1})
+        elapsed += r["step_time_s"]
+    return rows
+
+
+def save_json(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform()}
