@@ -38,9 +38,10 @@ def reference_update(tiny_model_dir, cfg: Config, world: int):
         old = [ref_logps(model, b, torch.arange(len(b))) for b in bufs]
     spg = cfg.steps_per_generation
     rollout_tokens = sum(b.completion_mask.sum() for b in bufs)
+    kls, clips = [], []
     for p in range(cfg.num_iterations):
         for s in range(spg):
-            terms, n_seq, n_tok = [], 0, 0.0
+            terms, n_seq, n_tok, stats = [], 0, 0.0, []
             for r, b in enumerate(bufs):
                 idx = torch.cat(b.schedule(p, spg, cfg.per_device_train_batch_size)[s])
                 lp = ref_logps(model, b, idx)
@@ -53,6 +54,7 @@ def reference_update(tiny_model_dir, cfg: Config, world: int):
                     tok = tok + cfg.beta * (torch.exp(rl - lp) - (rl - lp) - 1)
                 m = b.completion_mask[idx]
                 terms.append((tok, m))
+                stats.append((ratio.detach(), m))
                 n_seq += len(idx)
                 n_tok += m.sum()
             if cfg.loss_type == "grpo":
@@ -66,6 +68,11 @@ def reference_update(tiny_model_dir, cfg: Config, world: int):
             opt.zero_grad()
             loss.backward()
             opt.step()
+            # reuse statistics, straight from the definitions: k3 = r - 1 - log r, clipped = r outside the interval
+            kls.append(sum(((r - 1 - torch.log(r)) * m).sum() for r, m in stats).item() / n_tok.item())
+            clips.append(sum((((r < 1 - cfg.epsilon) | (r > 1 + cfg.eps_high)) * m).sum() for r, m in stats).item()
+                         / n_tok.item())
+    reference_update.stats = (kls, clips)
     return model.state_dict(), old
 
 
@@ -84,6 +91,12 @@ def test_zero3_two_ranks_mu2_equals_single_process_reference(tmp_path, tiny_mode
         name = case.pop("name")
         cfg = Config(**{**BASE, **case})
         expected, old = reference_update(tiny_model_dir, cfg, world=2)
+        kls, clips = reference_update.stats
+        # the adaptive-reuse statistics, logged per step, against the same quantities computed directly
+        torch.testing.assert_close(got[name]["approx_kl"], torch.tensor(kls, dtype=torch.float64), atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(got[name]["clip_ratio_region"], torch.tensor(clips, dtype=torch.float64),
+                                   atol=1e-6, rtol=0)
+        assert got[name]["approx_kl"][0] == 0 and got[name]["approx_kl"][-1] > 0
         initial = reference_update(tiny_model_dir, Config(**{**BASE, **case, "num_iterations": 1}), 2)[0]
         moved = max_diff(initial, expected)
         diff = max_diff(got[name]["state"], expected)
