@@ -104,7 +104,8 @@ def ds_config(cfg: Config, world_size: int, hidden_size: int, train: bool = True
     zero = conf.setdefault("zero_optimization", {})
     auto = {"stage3_param_persistence_threshold": 10 * hidden_size,
             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-            "reduce_bucket_size": hidden_size * hidden_size}
+            "reduce_bucket_size": hidden_size * hidden_size,
+            "allgather_bucket_size": hidden_size * hidden_size}  # ZeRO-2
     for key, value in auto.items():
         if zero.get(key) == "auto":
             zero[key] = value
@@ -122,6 +123,10 @@ def ds_config(cfg: Config, world_size: int, hidden_size: int, train: bool = True
         for key in ("optimizer", "scheduler"):
             conf.pop(key, None)
         zero.pop("offload_optimizer", None)
+        # ZeRO-1/2 shard optimizer state only and refuse a model without an optimizer: a frozen
+        # reference model is then simply replicated (stage 0), as the policy's weights are.
+        if zero.get("stage", 0) < 3:
+            zero["stage"] = 0
     conf.setdefault("steps_per_print", 10**9)
     conf.setdefault("wall_clock_breakdown", False)
     return conf

@@ -78,14 +78,17 @@ def main():
             for s, mbs in enumerate(buf.schedule(it, cfg.steps_per_generation, cfg.per_device_train_batch_size)):
                 outs.append(train_step(engine, ref, buf, mbs, norms[it, s].item(), cfg,
                                        capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0))
-        state = engine._zero3_consolidated_16bit_state_dict()
+        state = engine._zero3_consolidated_16bit_state_dict() if eng.is_zero3(engine) else engine.module.state_dict()
         all_stores = [torch.zeros_like(stores) for _ in range(world)]
         torch.distributed.all_gather(all_stores, stores)
         if rank == 0:
             results[name] = {"state": {k: v.clone() for k, v in state.items()}, "old_logp_forwards": forwards,
                              "stores": torch.cat(all_stores), "old_logps": buf.old_logps.clone(),
                              "approx_kl": torch.tensor([o["approx_kl"] for o in outs], dtype=torch.float64),
-                             "clip_ratio_region": torch.tensor([o["clip_ratio_region"] for o in outs], dtype=torch.float64)}
+                             "clip_ratio_region": torch.tensor([o["clip_ratio_region"] for o in outs], dtype=torch.float64),
+                             "zero": {"stage": engine.zero_optimization_stage(),
+                                      "offload_param": engine.zero_offload_param() is not None,
+                                      "offload_optimizer": engine.zero_use_cpu_optimizer()}}
         engine.destroy()
     if rank == 0:
         torch.save(results, out_path)

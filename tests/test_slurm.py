@@ -1,0 +1,113 @@
+"""launch/slurm/grpo.sbatch on a real 2-node Slurm cluster started on this host (tests/slurm_cluster.py).
+
+Each "node" runs one CPU rank; the two ranks meet over gloo at the first node's address, as on a cluster.
+"""
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, read_jsonl
+from recipe.config import Config
+from slurm_cluster import LocalSlurm, missing_reason
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["--disable_tqdm", "true", "--max_completion_length", "24"]
+RESUME_SUPPORTED = "resume_from_checkpoint" in Config.__dataclass_fields__
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with LocalSlurm(nodes=2) as c:
+        yield c
+
+
+def sbatch(cluster, tmp_path, *args, background=False, name="grpo", **env):
+    """`sbatch --wait` of grpo.sbatch, unchanged except for CPU nodes; logs and outputs under tmp_path."""
+    cmd = ["sbatch", "--wait", "--gpus-per-node=0", f"--job-name={name}", f"--output={tmp_path}/%x-%j.out",
+           "launch/slurm/grpo.sbatch", *args]
+    env = cluster.env(**{"VENV_PY": sys.executable, "REPO": REPO, "OUTPUT_DIR": tmp_path / "out",
+                         "TOKENIZERS_PARALLELISM": "false", **env})
+    if background:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return cluster.run(*cmd, cwd=REPO, env=env, timeout=900)
+
+
+def job_log(tmp_path, name="grpo") -> str:
+    return "\n".join(p.read_text() for p in sorted(tmp_path.glob(f"{name}-*.out")))
+
+
+def test_two_nodes_one_rank_each_train_to_completion(cluster, tmp_path, tiny_model_dir):
+    proc = sbatch(cluster, tmp_path, *SHORT, "--max_steps", "24")
+    log = job_log(tmp_path)
+    assert proc.returncode == 0, proc.stderr + log[-4000:]
+    # One task per node, each starting its rank, both meeting at the first node's address.
+    assert "0: node 0/2: ranks 0..0 of 2 (CPU), rendezvous node0:" in log
+    assert "1: node 1/2: ranks 1..1 of 2 (CPU), rendezvous node0:" in log
+    assert "training exited with 0" in log
+    records = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 25))
+    # The world really had two ranks: step 1 trains the whole first rollout of both ranks.
+    r = records[0]
+    per_rank = 8 * 2  # quickstart: per_device_train_batch_size x gradient_accumulation_steps
+    assert r["train_tokens"] == pytest.approx(r["completion_length_mean"] * per_rank * 2, rel=1e-6)
+    first = sum(r["reward_mean"] for r in records[:6]) / 6
+    last = sum(r["reward_mean"] for r in records[-6:]) / 6
+    assert last > first, f"reward did not rise: first 6 steps {first:.2f}, last 6 {last:.2f}"
+    assert (tmp_path / "out" / "final" / "config.json").exists()
+
+
+def test_failed_training_fails_the_job(cluster, tmp_path):
+    proc = sbatch(cluster, tmp_path, *SHORT, "--max_steps", "4", "--reward_funcs", "[tests.reward_fixtures:has_nan]")
+    log = job_log(tmp_path)
+    assert proc.returncode == 1, proc.stderr + log[-4000:]
+    assert "reward 'has_nan' returned nan at sample 1" in log
+    assert "training exited with 1" in log and "requeued" not in log
+
+
+def test_submitting_outside_the_repository_is_a_clear_error(cluster, tmp_path):
+    proc = sbatch(cluster, tmp_path, REPO=tmp_path)
+    assert proc.returncode == 2
+    assert f"{tmp_path} is not the repository: submit from its root or set REPO" in job_log(tmp_path)
+
+
+def wait_for(what, ok, timeout=300, proc=None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if ok():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"job ended before {what}: {proc.communicate()}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.skipif(not RESUME_SUPPORTED, reason="the recipe has no resume_from_checkpoint yet (issue #4)")
+def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path, tiny_model_dir):
+    """USR1 mid-run: the ranks checkpoint and exit 75, the job requeues itself and resumes from the checkpoint."""
+    out, name = tmp_path / "out", "preempt"
+    proc = sbatch(cluster, tmp_path, *SHORT, "--max_steps", "24", background=True, name=name)
+    metrics = out / "metrics.jsonl"
+    wait_for("6 steps", lambda: metrics.exists() and len(read_jsonl(metrics)) >= 6, proc=proc)
+    job = cluster.run("squeue", "-h", "-n", name, "-o", "%i").stdout.split()[0]
+    assert cluster.run("scancel", "--signal=USR1", job).returncode == 0
+    # Requeued jobs wait ~10 s (cred_expire) before they run again: move the first run's metrics aside.
+    wait_for("the requeue", lambda: "Restarts=1" in cluster.run("scontrol", "show", "job", job).stdout
+             and "JobState=PENDING" in cluster.run("scontrol", "show", "job", job).stdout, proc=proc)
+    shutil.move(metrics, out / "metrics.run1.jsonl")
+    stdout, stderr = proc.communicate(timeout=600)
+    log = job_log(tmp_path, name)
+    assert proc.returncode == 0, stderr + log[-4000:]
+    assert "restart 0: training exited with 75" in log and "=== requeued" in log
+    assert "restart 1: training exited with 0" in log
+    first = [r["step"] for r in read_jsonl(out / "metrics.run1.jsonl")]
+    second = [r["step"] for r in read_jsonl(metrics)]
+    k = first[-1]
+    assert first == list(range(1, k + 1)) and k >= 6
+    assert second == list(range(k + 1, 25)), f"the resumed run did not continue from step {k}: {second}"
