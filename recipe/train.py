@@ -39,7 +39,7 @@ def setup(cfg: Config) -> SimpleNamespace:
     stream = PromptStream(load_prompt_dataset(cfg), tokenizer, cfg, rank, world)
     model = eng.load_model(path, cfg)
     engine = eng.init_engine(model, cfg, world)
-    ref = eng.init_reference(path, cfg, world) if cfg.beta > 0.0 else None
+    ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0.0 else None
     return SimpleNamespace(cfg=cfg, rank=rank, world=world, tokenizer=tokenizer, stream=stream, engine=engine,
                            ref=ref, rewards=load_reward_funcs(cfg.reward_funcs),
                            generator=build_generator(cfg, engine, tokenizer))
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reward error (rank {c.rank}): {e}", file=sys.stderr)
         return 1
     final = Path(cfg.output_dir) / "final"
-    eng.save_hf_model(c.engine, c.tokenizer, final, c.rank)
+    eng.save_hf_model(c.engine, c.tokenizer, final, c.rank, save_merged=cfg.save_merged)
     c.generator.close()
     if c.rank == 0:
         first, last = reward_quarters(records)
