@@ -151,6 +151,8 @@ def init_reference(path: str, cfg: Config, world_size: int, policy=None):
     if cfg.use_peft:
         from recipe.lora import ReferencePolicy
 
+        if policy is None:
+            raise ValueError("init_reference: with use_peft the reference is the policy engine itself; pass it")
         return ReferencePolicy(policy)
     ref = load_model(path, cfg)
     ref.requires_grad_(False)

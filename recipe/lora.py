@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -38,7 +39,10 @@ def wrap(model, cfg: Config):
     """
     from peft import get_peft_model
 
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft warns about adapting a layer tied to the embeddings; the recipe handles that itself (the tied
+        # layer runs unmerged in generation, and the merged save unties it).
+        warnings.filterwarnings("ignore", message=r".*tie_word_embeddings=True", category=UserWarning)
         torch.manual_seed(cfg.seed)
         model = get_peft_model(model, lora_config(cfg))
     if cfg.gradient_checkpointing:  # checkpointed blocks need an input that requires grad; the embeddings are frozen
@@ -60,10 +64,17 @@ class ReferencePolicy:
             return self.engine(*args, **kwargs)
 
 
-def _lora_layers(model):
+def _lora_layers(model) -> list[tuple[str, torch.nn.Module, bool]]:
+    """(name, layer, tied) for each LoRA layer; tied = its base weight is shared with another module.
+
+    A tied weight (e.g. an lm_head tied to the input embeddings) cannot take a merge: the other module would
+    see the merged weight too.
+    """
     from peft.tuners.lora import LoraLayer
 
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return [(name, m, uses[id(m.get_base_layer().weight)] > 1) for name, m in model.named_modules()
+            if isinstance(m, LoraLayer)]
 
 
 @contextlib.contextmanager
@@ -73,25 +84,29 @@ def merged_adapter(model, restore: bool = True):
     `restore=True` keeps a copy of each merged base weight and puts it back bit for bit: peft's unmerge
     subtracts the delta again, which leaves rounding residue that would pile up over rollouts. Gathered
     ZeRO-3 weights need no copy (restore=False): the gathered tensors are thrown away on release
-    (GatheredParameters with modifier_rank=None), so the shards never see the merge. A layer type peft
-    cannot merge keeps running its adapter unmerged (correct, just slower), with a warning.
+    (GatheredParameters with modifier_rank=None), so the shards never see the merge. A layer that cannot be
+    merged (a type peft cannot merge, or a tied weight) keeps running its adapter unmerged (correct, just
+    slower), with a warning.
     """
-    merged, saved, failed = [], [], set()
+    merged, saved, unmerged = [], [], {}
     try:
-        for layer in _lora_layers(model):
+        for name, layer, tied in _lora_layers(model):
             weight = layer.get_base_layer().weight
+            if tied:
+                unmerged[name] = "its weight is tied to another module's"
+                continue
             copy = weight.detach().clone() if restore else None
             try:
                 layer.merge()
             except (NotImplementedError, RuntimeError, AttributeError, ValueError) as e:
-                failed.add(f"{type(layer).__name__} ({e})")
+                unmerged[name] = f"cannot merge {type(layer).__name__} ({e})"
                 continue
             merged.append(layer)
             if copy is not None:
                 saved.append((weight, copy))
-        if failed:
-            warnings.warn(f"LoRA: cannot merge {', '.join(sorted(failed))}; generating with the adapter unmerged "
-                          f"for those layers", stacklevel=3)
+        if unmerged:
+            warnings.warn("LoRA: generating with the adapter unmerged for " +
+                          "; ".join(f"{n}: {why}" for n, why in unmerged.items()), stacklevel=3)
         yield model
     finally:
         for layer in merged:
@@ -120,4 +135,10 @@ def merged_model(peft_model, adapter_dir: Path):
 
     base = AutoModelForCausalLM.from_pretrained(peft_model.peft_config["default"].base_model_name_or_path,
                                                 dtype=torch.float32)
-    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    model = PeftModel.from_pretrained(base, adapter_dir)
+    for _, layer, tied in _lora_layers(model):
+        if tied:  # e.g. an adapted lm_head tied to the input embeddings: untie, or the merge would change both
+            base_layer = layer.get_base_layer()
+            base_layer.weight = torch.nn.Parameter(base_layer.weight.detach().clone(), requires_grad=False)
+            base.config.tie_word_embeddings = False
+    return model.merge_and_unload()

@@ -197,11 +197,40 @@ def test_unmergeable_layer_type_falls_back_to_unmerged_adapter_with_warning():
     original = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         want = model(x)
-        with pytest.warns(UserWarning, match="cannot merge NoMergeLoraLinear.*unmerged"):
+        with pytest.warns(UserWarning, match="adapter unmerged for .*cannot merge NoMergeLoraLinear"):
             with merged_adapter(model) as m:
                 assert m.base_model.model[0].merged and not m.base_model.model[2].merged
                 torch.testing.assert_close(m(x), want, atol=1e-5, rtol=0)
     assert all(torch.equal(original[k], v) for k, v in model.state_dict().items())
+
+
+def test_tied_lm_head_runs_unmerged_and_merged_save_unties_it(tiny_model_dir, tmp_path):
+    """The tiny model ties lm_head to the input embeddings: merging into it would change the embeddings too."""
+    from transformers import AutoModelForCausalLM
+
+    from recipe import engine as eng
+    from recipe.lora import merged_adapter, merged_model
+
+    cfg = Config(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "lm_head"])
+    model = eng.load_model(str(tiny_model_dir), cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    ids = torch.randint(1, 500, (2, 10), generator=torch.Generator().manual_seed(0))
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        with pytest.warns(UserWarning, match="lm_head: its weight is tied"), merged_adapter(model) as m:
+            layers = {n.rsplit(".", 1)[-1]: mod for n, mod in m.named_modules() if hasattr(mod, "merged_adapters")}
+            assert layers["q_proj"].merged and not layers["lm_head"].merged
+            torch.testing.assert_close(m(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        assert all(torch.equal(original[k], v) for k, v in model.state_dict().items())
+        model.save_pretrained(tmp_path / "adapter")
+        merged_model(model, tmp_path / "adapter").save_pretrained(tmp_path / "merged")
+        full = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        assert not full.config.tie_word_embeddings
+        torch.testing.assert_close(full(input_ids=ids).logits, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -218,4 +247,37 @@ def test_bad_lora_config_is_named(args, message):
 
 def test_quickstart_lora_config_loads():
     cfg = load_config(["--config", str(REPO / QUICKSTART_LORA)])
-    assert cfg.use_peft and cfg.lora_target_modules == ["all-linear"] and cfg.save_merged
+    assert cfg.use_peft and "lm_head" in cfg.lora_target_modules and cfg.save_merged
+    assert Config().lora_target_modules == ["all-linear"]
+
+
+@pytest.mark.slow
+def test_quickstart_lora_end_to_end_reward_rises(tmp_path, tiny_model_dir):
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from conftest import cpu_env
+    from test_train import REQUIRED_KEYS
+
+    out = tmp_path / "qs"
+    proc = subprocess.run(["bash", "launch/local.sh", "--config", QUICKSTART_LORA, "--output_dir", str(out),
+                           "--disable_tqdm", "true"], cwd=REPO, env=cpu_env(VENV_PY=sys.executable),
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = load_config(["--config", str(REPO / QUICKSTART_LORA)])
+    records = read_jsonl(out / "metrics.jsonl")
+    assert len(records) == cfg.max_steps and REQUIRED_KEYS <= set(records[0])
+    q = len(records) // 4
+    first = sum(r["reward_mean"] for r in records[:q]) / q
+    last = sum(r["reward_mean"] for r in records[-q:]) / q
+    assert last > first + 5.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
+    # The adapter and the merged model saved by the run agree with each other.
+    ids = torch.randint(1, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapter = PeftModel.from_pretrained(plain(tiny_model_dir), out / "final").eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "final-merged").eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged, adapter, atol=1e-5, rtol=0)
+
