@@ -31,6 +31,13 @@ class Config:
     model_name_or_path: str = "builtin:tiny-qwen2"  # a folder, a hub name, or builtin:tiny-qwen2
     bf16: str | bool = "auto"  # auto = bf16 on GPUs, fp32 on CPU
     gradient_checkpointing: bool = False
+    # --- LoRA (peft) -------------------------------------------------------------------
+    use_peft: bool = False  # train a LoRA adapter only; the base stays frozen and is the KL reference
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0  # must be 0: the recipe trains without dropout (see validate)
+    lora_target_modules: list = field(default_factory=lambda: ["all-linear"])  # module names, or all-linear
+    save_merged: bool = False  # also write OUTPUT_DIR/final-merged, the full model with the adapter merged
     # --- data --------------------------------------------------------------------------
     dataset_name: str = "recipe/data/tldr_prompts.jsonl"  # a local jsonl/json/parquet/csv file or a hub name
     dataset_split: str = "train"
@@ -250,6 +257,18 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(world_size >= 1, f"WORLD_SIZE: must be >= 1, got {world_size}")
     need(bool(cfg.output_dir), "output_dir: must not be empty")
     need(bool(cfg.reward_funcs), "reward_funcs: at least one reward function is needed")
+    if cfg.use_peft:
+        need(cfg.lora_r >= 1, f"lora_r: must be >= 1, got {cfg.lora_r}")
+        need(cfg.lora_alpha > 0, f"lora_alpha: must be > 0, got {cfg.lora_alpha}")
+        # Dropout would make the training forward a different policy from the one that sampled (and
+        # from the old log-probs); the recipe turns every dropout off, so a LoRA dropout is refused.
+        need(cfg.lora_dropout == 0.0, f"lora_dropout: must be 0 (the recipe trains without dropout so that the "
+                                      f"trained policy is the sampling policy), got {cfg.lora_dropout}")
+        need(bool(cfg.lora_target_modules) and all(isinstance(m, str) and m for m in cfg.lora_target_modules),
+             f"lora_target_modules: must be a non-empty list of module names (or [all-linear]), "
+             f"got {cfg.lora_target_modules!r}")
+    need(not cfg.save_merged or cfg.use_peft,
+         "save_merged: needs use_peft: true (without LoRA, OUTPUT_DIR/final already is the full model)")
 
     ds_path = resolve_path(cfg.deepspeed_config)
     need(ds_path.is_file(), f"deepspeed_config: file not found: {cfg.deepspeed_config}")

@@ -85,6 +85,10 @@ def load_model(path: str, cfg: Config):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+    if cfg.use_peft:
+        from recipe import lora
+
+        model = lora.wrap(model, cfg)
     return model
 
 
@@ -141,10 +145,20 @@ def init_engine(model, cfg: Config, world_size: int):
     return engine
 
 
-def init_reference(path: str, cfg: Config, world_size: int):
-    """A frozen copy of the starting policy, ZeRO-3 sharded like the policy, never given gradients."""
+def init_reference(path: str, cfg: Config, world_size: int, policy=None):
+    """The starting policy for the KL term, called like a model.
+
+    With LoRA: the policy engine itself with its adapter disabled (no second model). Otherwise a frozen copy,
+    ZeRO-3 sharded like the policy, never given gradients.
+    """
     import deepspeed
 
+    if cfg.use_peft:
+        from recipe.lora import ReferencePolicy
+
+        if policy is None:
+            raise ValueError("init_reference: with use_peft the reference is the policy engine itself; pass it")
+        return ReferencePolicy(policy)
     ref = load_model(path, cfg)
     ref.requires_grad_(False)
     conf = ds_config(cfg, world_size, ref.config.hidden_size, train=False)
@@ -159,33 +173,57 @@ def is_zero3(engine) -> bool:
 
 @contextlib.contextmanager
 def gathered_for_generation(engine):
-    """All ZeRO-3 parameters gathered once, with ZeRO's per-module hooks removed meanwhile.
+    """All ZeRO-3 parameters gathered once, with ZeRO's per-module hooks removed meanwhile; a LoRA adapter
+    merged into the gathered weights.
 
-    With the hooks in place every layer would be re-fetched and released at each decoding step.
+    With the hooks in place every layer would be re-fetched and released at each decoding step (and a merge
+    into weights that the hooks release is lost mid-forward).
     """
     import deepspeed
 
+    from recipe.lora import merged_adapter  # a no-op without LoRA layers
+
     if not is_zero3(engine):
-        yield engine.module
+        with merged_adapter(engine.module) as model:
+            yield model
         return
     offload = engine.optimizer.parameter_offload
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         offload._remove_module_hooks()
         try:
-            yield engine.module
+            with merged_adapter(engine.module, restore=False) as model:
+                yield model
         finally:
             offload.setup_zero_stage3_hooks()
 
 
-def save_hf_model(engine, tokenizer, out_dir: Path, rank: int) -> None:
-    """Gather the ZeRO-3 weights layer by layer onto rank 0 and write an HF folder atomically."""
-    state = engine._zero3_consolidated_16bit_state_dict() if is_zero3(engine) else engine.module.state_dict()
+def save_hf_model(engine, tokenizer, out_dir: Path, rank: int, save_merged: bool = False) -> None:
+    """Gather the ZeRO-3 weights layer by layer onto rank 0 and write an HF folder atomically.
+
+    With LoRA, out_dir gets the adapter in peft's format (only the adapter is gathered), and with save_merged
+    also OUT_DIR-merged the full model with the adapter merged in.
+    """
+    from recipe import lora
+
+    peft = lora.is_peft(engine.module)
+    if peft:
+        state = lora.adapter_state(engine, rank)
+    else:
+        state = engine._zero3_consolidated_16bit_state_dict() if is_zero3(engine) else engine.module.state_dict()
     if rank != 0:
         return
+    _write_atomically(out_dir, lambda tmp: (engine.module.save_pretrained(tmp, state_dict=state),
+                                            tokenizer.save_pretrained(tmp)))
+    if peft and save_merged:
+        merged = lora.merged_model(engine.module, out_dir)
+        _write_atomically(out_dir.with_name(out_dir.name + "-merged"),
+                          lambda tmp: (merged.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
+def _write_atomically(out_dir: Path, write) -> None:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    engine.module.save_pretrained(tmp, state_dict=state)
-    tokenizer.save_pretrained(tmp)
+    write(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)

@@ -45,7 +45,7 @@ def setup(cfg: Config) -> SimpleNamespace:
     stream = PromptStream(load_prompt_dataset(cfg), tokenizer, cfg, rank, world)
     model = eng.load_model(path, cfg)
     engine = eng.init_engine(model, cfg, world)
-    ref = eng.init_reference(path, cfg, world) if cfg.beta > 0.0 else None
+    ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0.0 else None
     generator = build_generator(cfg, engine, tokenizer)
     resume = None
     if resume_from is not None:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     final = Path(cfg.output_dir) / "final"
     if not preempted:
-        eng.save_hf_model(c.engine, c.tokenizer, final, c.rank)
+        eng.save_hf_model(c.engine, c.tokenizer, final, c.rank, save_merged=cfg.save_merged)
     c.generator.close()
     if c.rank == 0:
         if preempted:

@@ -51,33 +51,40 @@ def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0) -> Rollout
     return RolloutBuffer.build(prompts, comps, adv[sl], mask, pad_id, order_seed=1000 + rank)
 
 
+def run_case(cfg: Config, rank: int, world: int):
+    """Fresh engine, this rank's shard of the fixed rollout, old log-probs, normalizers, mu passes of
+    train_step. Returns the engine, the reference, the buffer, the old-log-prob forwards, store counts and
+    each step's statistics."""
+    path = eng.model_path(cfg)
+    torch.manual_seed(0)
+    engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
+    ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0 else None
+    buf = local_buffer(cfg, rank, world)
+    stores = torch.zeros(len(buf), dtype=torch.long)
+    original_store = buf.store_old_logps
+
+    def counting_store(idx, logps):
+        stores[idx] += 1
+        original_store(idx, logps)
+
+    buf.store_old_logps = counting_store
+    forwards = compute_old_logps(engine, buf, cfg)
+    norms = normalizers(buf, cfg, world)
+    outs = []
+    for it in range(cfg.num_iterations):
+        for s, mbs in enumerate(buf.schedule(it, cfg.steps_per_generation, cfg.per_device_train_batch_size)):
+            outs.append(train_step(engine, ref, buf, mbs, norms[it, s].item(), cfg,
+                                   capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0))
+    return engine, ref, buf, forwards, stores, outs
+
+
 def main():
     out_path, cases = sys.argv[1], json.loads(sys.argv[2])
     rank, world = eng.init_distributed()
     results = {}
     for case in cases:
         name = case.pop("name")
-        cfg = Config(**{**BASE, **case})
-        path = eng.model_path(cfg)
-        torch.manual_seed(0)
-        engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
-        ref = eng.init_reference(path, cfg, world) if cfg.beta > 0 else None
-        buf = local_buffer(cfg, rank, world)
-        stores = torch.zeros(len(buf), dtype=torch.long)
-        original_store = buf.store_old_logps
-
-        def counting_store(idx, logps):
-            stores[idx] += 1
-            original_store(idx, logps)
-
-        buf.store_old_logps = counting_store
-        forwards = compute_old_logps(engine, buf, cfg)
-        norms = normalizers(buf, cfg, world)
-        outs = []
-        for it in range(cfg.num_iterations):
-            for s, mbs in enumerate(buf.schedule(it, cfg.steps_per_generation, cfg.per_device_train_batch_size)):
-                outs.append(train_step(engine, ref, buf, mbs, norms[it, s].item(), cfg,
-                                       capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0))
+        engine, _, buf, forwards, stores, outs = run_case(Config(**{**BASE, **case}), rank, world)
         state = engine._zero3_consolidated_16bit_state_dict() if eng.is_zero3(engine) else engine.module.state_dict()
         all_stores = [torch.zeros_like(stores) for _ in range(world)]
         torch.distributed.all_gather(all_stores, stores)

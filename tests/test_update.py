@@ -25,14 +25,19 @@ def ref_logps(model, buf, idx):
     return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, -c:].unsqueeze(-1)).squeeze(-1)
 
 
-def reference_update(tiny_model_dir, cfg: Config, world: int):
-    """Plain PyTorch: one model, one AdamW, each optimizer step's samples from all ranks in one batch."""
+def reference_update(tiny_model_dir, cfg: Config, world: int, wrap=None):
+    """Plain PyTorch: one model, one AdamW, each optimizer step's samples from all ranks in one batch.
+
+    `wrap(model)` may replace the model (e.g. with a peft LoRA model); AdamW then gets its trainable parameters.
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    if wrap is not None:
+        model = wrap(model)
     ref_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
     bufs = [local_buffer(cfg, r, world) for r in range(world)]
     with torch.no_grad():
         old = [ref_logps(model, b, torch.arange(len(b))) for b in bufs]
