@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Regenerate every benchmark result and plot under bench/results/ (about 30-40 minutes on 2 idle CPU cores).
+# Run on an otherwise idle machine: the figures are wall-clock ratios measured side by side in one run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup_venv.sh test
+PY=.venv/bin/python
+cd bench
+$PY mu_sweep.py --mus 1 2 4 8 --seeds 0 1 2 --steps 160
+$PY breakdown.py --steps 24
+$PY memory.py --steps 8
+$PY lora_memory.py
+if [ -x ../.venv-trl/bin/python ] || $PY -c "import trl" 2>/dev/null; then $PY vs_trl.py; else echo "vs_trl: trl not installed (see bench/README.md)"; fi
