@@ -38,4 +38,11 @@ def test_memory_smoke(tmp_path):
     bench(tmp_path, "memory.py", "--steps", "2", "--worlds", "1", "--mus", "1")
     r = json.loads((tmp_path / "memory.json").read_text())
     assert r["rows"][0]["peak_rss_mib_per_rank"][0] > 100
-    assert r["rows"][0]["old_logp_bytes_per_rank"] == [16 * 32 * 4]  # 16 completions x 32 tokens, float32
+    (old,) = r["rows"][0]["old_logp_bytes_per_rank"]
+    assert old % (16 * 4) == 0 and 0 < old <= 16 * 32 * 4  # 16 completions x up to 32 tokens, float32
+
+
+@pytest.mark.slow
+def test_lora_memory_smoke(tmp_path):
+    bench(tmp_path, "lora_memory.py", "--models", "tiny", "--out", str(tmp_path / "lora_memory.json"))
+    assert json.loads((tmp_path / "lora_memory.json").read_text())
