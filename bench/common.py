@@ -66,4 +66,4 @@ def machine() -> dict:
     import torch
 
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform()}
+            "platform": platform.platform(), "load_average_at_end": os.getloadavg()}
