@@ -17,5 +17,10 @@ if [ ! -f "$STAMP" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check "$TORCH" -e "$SPEC" 2>&1 | grep -v "is ignored: it is neither a file" || true
   .venv/bin/python -c "import torch, deepspeed, transformers, peft, datasets" >/dev/null 2>&1 \
     || { echo "setup_venv: install failed" >&2; exit 1; }
+  # Build DeepSpeed's CPU comm op now (about a minute, once) rather than inside the first training run.
+  if ! .venv/bin/python -c "import torch; exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions" DS_ACCELERATOR=cpu .venv/bin/python -c \
+      "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null 2>&1 || true
+  fi
   touch "$STAMP"
 fi
