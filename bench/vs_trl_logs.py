@@ -108,6 +108,12 @@ def summarize(runs: list[dict], mus: list[int]) -> dict:
             "ours": statistics.median(a for a, _ in rew), "trl": statistics.median(b for _, b in rew),
             "ratio": median_ratio(rew), "difference": statistics.median(a - b for a, b in rew),
             "first_rollout_reward": base}
+        # Progress per rollout, whatever the clock: the last rollouts of whole runs (same rollout count on both).
+        last = [(statistics.fmean(ours[i]["rollout_rewards"][-REWARD_WINDOW:]),
+                 statistics.fmean(trl[i]["rollout_rewards"][-REWARD_WINDOW:])) for i in reps]
+        entry["reward_last_rollouts"] = {"rollouts": len(ours[reps[0]]["rollout_rewards"]),
+                                         "ours": statistics.median(a for a, _ in last),
+                                         "trl": statistics.median(b for _, b in last)}
         out["by_mu"][str(mu)] = entry
     for key, name in (("sec_per_step", "step_time_ratio"), ("sec_per_rollout", "rollout_time_ratio"),
                       ("generate_s_median", "generate_time_ratio")):
@@ -116,37 +122,41 @@ def summarize(runs: list[dict], mus: list[int]) -> dict:
 
 
 def plot(runs: list[dict], summary: dict, mus: list[int], path: Path) -> None:
+    """Top: seconds per optimizer step and reward against training seconds; bottom: generation seconds and
+    reward against rollouts (the same algorithm should progress alike per rollout)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"ours": "tab:blue", "trl": "tab:orange"}
-    fig, axes = plt.subplots(1, 1 + len(mus), figsize=(5 * (1 + len(mus)), 4))
-    ax = axes[0]
-    for j, impl in enumerate(("ours", "trl")):
-        xs = [i + (j - 0.5) * 0.38 for i in range(len(mus))]
-        ax.bar(xs, [summary["by_mu"][str(mu)]["sec_per_step"][impl] for mu in mus], width=0.36, color=colors[impl],
-               label="this recipe" if impl == "ours" else "TRL GRPOTrainer")
-        for x, mu in zip(xs, mus):
-            pts = [r["sec_per_step"] for r in runs if r["mu"] == mu and r["impl"] == impl]
-            ax.scatter([x] * len(pts), pts, color="black", s=10, zorder=3)
-    ax.set_xticks(range(len(mus)), [f"mu={mu}\nours/TRL {summary['by_mu'][str(mu)]['sec_per_step']['ratio']:.2f}"
-                                    for mu in mus])
-    ax.set_ylabel("seconds per optimizer step (median, dots: runs)")
-    ax.legend()
-    for ax, mu in zip(axes[1:], mus):
+    colors, names = {"ours": "tab:blue", "trl": "tab:orange"}, {"ours": "this recipe", "trl": "TRL GRPOTrainer"}
+    fig, axes = plt.subplots(2, 1 + len(mus), figsize=(5 * (1 + len(mus)), 8), squeeze=False)
+    for ax, key, label in ((axes[0][0], "sec_per_step", "seconds per optimizer step"),
+                           (axes[1][0], "generate_s_median", "seconds per generate call")):
+        for j, impl in enumerate(("ours", "trl")):
+            xs = [i + (j - 0.5) * 0.38 for i in range(len(mus))]
+            ax.bar(xs, [summary["by_mu"][str(mu)][key][impl] for mu in mus], width=0.36, color=colors[impl],
+                   label=names[impl])
+            for x, mu in zip(xs, mus):
+                pts = [r[key] for r in runs if r["mu"] == mu and r["impl"] == impl]
+                ax.scatter([x] * len(pts), pts, color="black", s=10, zorder=3)
+        ax.set_xticks(range(len(mus)), [f"mu={mu}\nours/TRL {summary['by_mu'][str(mu)][key]['ratio']:.2f}"
+                                        for mu in mus])
+        ax.set_ylabel(f"{label} (bars: median, dots: runs)")
+        ax.legend()
+    for j, mu in enumerate(mus, start=1):
         for r in (r for r in runs if r["mu"] == mu):
-            ax.plot(r["rollout_times"], r["rollout_rewards"], marker=".", color=colors[r["impl"]], alpha=0.8,
-                    label=f"{'ours' if r['impl'] == 'ours' else 'TRL'} rep {r['rep']}")
-        ax.set_title(f"mu = {mu}")
-        ax.set_xlabel("training wall-clock seconds (start-up excluded)")
-        ax.set_ylabel("rollout mean reward")
-        ax.legend(fontsize=7)
+            style = dict(marker=".", color=colors[r["impl"]], alpha=0.8, label=f"{names[r['impl']]} rep {r['rep']}")
+            axes[0][j].plot(r["rollout_times"], r["rollout_rewards"], **style)
+            axes[1][j].plot(range(len(r["rollout_rewards"])), r["rollout_rewards"], **style)
+        axes[0][j].set_xlabel("training wall-clock seconds (start-up excluded)")
+        axes[1][j].set_xlabel("rollout")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_title(f"mu = {mu}")
+            ax.set_ylabel("rollout mean reward")
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
+    fig.savefig(path, dpi=100)
 
 
 def markdown_table(summary: dict) -> str:
