@@ -89,7 +89,7 @@ def train(c: SimpleNamespace) -> list[dict]:
         advantages = group_advantages(rewards, G, cfg.scale_rewards)
         mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
         buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, c.tokenizer.pad_token_id,
-                                  order_seed=cfg.seed * 100_003 + rollout)
+                                  order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps)
         # 4. old log-probs: only those that the first pass cannot capture from its own forward
         with timer("old_logp"):
             old_logp_forwards += compute_old_logps(c.engine, buf, cfg)
@@ -104,7 +104,8 @@ def train(c: SimpleNamespace) -> list[dict]:
                 now = time.perf_counter()
                 record = {"step": step, "generation": rollout, "iteration": it, **out, **stats,
                           "prompts_truncated": prompts_truncated, "old_logp_forwards": old_logp_forwards,
-                          **timer.pop("generate", "score", "old_logp", "train"), "step_time_s": now - last}
+                          "weight_syncs": c.generator.syncs, **timer.pop("sync", "generate", "score", "old_logp", "train"),
+                          "step_time_s": now - last}
                 record["tokens_per_s"] = out["train_tokens"] / record["step_time_s"]
                 last = now
                 records.append(record)
@@ -113,7 +114,8 @@ def train(c: SimpleNamespace) -> list[dict]:
                 if step >= cfg.max_steps:
                     logger.close()
                     return records
-        c.generator.sync(c.engine)  # the next rollout must sample from the updated policy
+        with timer("sync"):
+            c.generator.sync(c.engine)  # the next rollout must sample from the updated policy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,14 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     final = Path(cfg.output_dir) / "final"
     eng.save_hf_model(c.engine, c.tokenizer, final, c.rank)
-    c.generator.close()
     if c.rank == 0:
         first, last = reward_quarters(records)
         print(f"reward_mean: first quarter {first:.3f} -> last quarter {last:.3f}")
         print(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}")
         print(f"model:   {final}")
     dist.barrier()
-    dist.destroy_process_group()
+    c.generator.close()  # last: vLLM's shutdown tears the process group down itself
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
