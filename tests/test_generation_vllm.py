@@ -92,6 +92,8 @@ def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     assert [r["weight_syncs"] for r in records] == [r["generation"] for r in records]
     assert all((r["time_sync_s"] > 0) == (r["iteration"] == 0 and r["generation"] > 0) for r in records)
     assert all(abs(r["is_ratio_mean"] - 1.0) < 1e-3 for r in records), [r["is_ratio_mean"] for r in records]
+    # completions that stopped early kept their EOS (without it every one would count as truncated)
+    assert min(r["truncated_fraction"] for r in records) < 1.0
     q = len(records) // 4
     first = sum(r["reward_mean"] for r in records[:q]) / q
     last = sum(r["reward_mean"] for r in records[-q:]) / q
