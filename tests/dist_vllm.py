@@ -3,7 +3,8 @@
 Each round: one GRPO optimizer step on the ZeRO-3 engine, then checks that vLLM is stale before the
 sync and matches the trained weights after it: greedy tokens equal transformers' greedy decoding of a
 plain model holding the gathered weights, and the sampler's log-probs equal the trainer's own
-log-probs of the sampled tokens. Writes OUT.json on rank 0 (all flags reduced over ranks).
+log-probs of the sampled tokens. Writes OUT.json on rank 0 (all flags reduced over ranks). Usage: dist_vllm.py OUT.json TP (TP 2: the two
+ranks share one tensor-parallel engine, each with its own prompts).
 """
 import json
 import sys
@@ -41,10 +42,11 @@ def plain_copy(engine, path, cfg):
 
 
 def main():
-    out = sys.argv[1]
+    out, tp = sys.argv[1], int(sys.argv[2])
     rank, world = eng.init_distributed()
     cfg = Config(generation_backend="vllm", num_generations=2, per_device_train_batch_size=4, max_completion_length=12,
-                 max_prompt_length=32, learning_rate=0.05, top_k=0, vllm_importance_sampling_cap=2.0)
+                 max_prompt_length=32, learning_rate=0.05, top_k=0, vllm_importance_sampling_cap=2.0,
+                 vllm_tensor_parallel_size=tp)
     path = eng.model_path(cfg)
     tok = eng.load_tokenizer(path)
     engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
@@ -105,7 +107,13 @@ def engine_greedy(gen, prompts):
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=gen.cfg.max_completion_length, stop_token_ids=[gen.tok.eos_token_id])
-    outs = gen.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    mine = slice(0, len(prompts))
+    if gen.tp > 1:  # a tensor-parallel group's engines must see identical requests
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, prompts)
+        mine = slice(dist.get_rank() * len(prompts), (dist.get_rank() + 1) * len(prompts))
+        prompts = [p for part in parts for p in part]
+    outs = gen.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)[mine]
     return finish([list(o.outputs[0].token_ids) for o in outs], gen.tok.eos_token_id, gen.tok,
                   gen.cfg.max_completion_length).ids
 

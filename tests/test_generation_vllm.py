@@ -63,9 +63,10 @@ def test_bad_vllm_fields_are_named(args, message):
 
 @needs_vllm
 @pytest.mark.slow
-def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["replica_per_rank", "tensor_parallel_2"])
+def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path, tp):
     out = tmp_path / "vllm.json"
-    torchrun(2, ["tests/dist_vllm.py", str(out)], timeout=900)
+    torchrun(2, ["tests/dist_vllm.py", str(out), str(tp)], timeout=900)
     r = json.loads(out.read_text())
     assert r["greedy_before_training"], "vLLM greedy differs from transformers on the untrained model"
     assert r["syncs"] == 2, f"expected one sync per training round, got {r['syncs']}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -27,6 +28,14 @@ from recipe.generation import Completions, finish
 # vLLM to ask takes seconds and happens after validation, so the list is kept here.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 SYNC_CHUNK_NUMEL = 1 << 26  # parameters gathered at once during a sync (256 MiB in fp32)
+
+
+class _QuietRotary(logging.Filter):
+    """vLLM warns at every reload that RotaryEmbedding (a buffer computed from the config, nothing to sync)
+    'failed to load weights'. Only that line is dropped: the same warning for any other layer is real."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
 
 class VLLMUnavailable(ValueError):
@@ -72,6 +81,7 @@ class VLLMGenerator:
 
         self.cfg, self.engine, self.tok = cfg, engine, tokenizer
         self.syncs, self.asleep = 0, False
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotary())
         self.synced_step = engine.global_steps  # vLLM loads the same folder the engine started from
         self.chunk_numel = SYNC_CHUNK_NUMEL
         self.tp = cfg.vllm_tensor_parallel_size
