@@ -66,7 +66,8 @@ class RolloutBuffer:
     def micro_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
                 "completion_mask": self.completion_mask[idx], "advantages": self.advantages[idx],
-                "old_logps": self.old_logps[idx], "has_old_logps": self.has_old_logps[idx], "sampling_logps": self.sampling_logps[idx], "index": idx}
+                "old_logps": self.old_logps[idx], "has_old_logps": self.has_old_logps[idx],
+                "sampling_logps": self.sampling_logps[idx], "index": idx}
 
     def store_old_logps(self, idx: torch.Tensor, logps: torch.Tensor) -> None:
         self.old_logps[idx] = logps.detach().float().cpu()

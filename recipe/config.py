@@ -256,7 +256,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         validate_vllm(cfg, world_size)
     else:
         need(cfg.vllm_importance_sampling_cap is None,
-             "vllm_importance_sampling_cap: needs generation_backend: vllm (the hf backend samples with the trainer's own weights)")
+             "vllm_importance_sampling_cap: needs generation_backend: vllm "
+             "(the hf backend samples with the trainer's own weights)")
     # Reward specs are checked here too (imports only, nothing runs) so a typo fails before launch.
     from recipe.rewards import load_reward_funcs
 
@@ -293,7 +294,7 @@ def validate_vllm(cfg: Config, world_size: int) -> None:
         folder = ensure_builtin(model)  # built offline and cached; its name was checked above
     else:
         folder = resolve_path(os.path.expanduser(model))
-    config_json = folder / "config.json" if folder is not None and (folder / "config.json").is_file() else None
+    config_json = folder / "config.json" if (folder / "config.json").is_file() else None  # hub names: checked at start
     try:
         check_available(config_json, cuda)
     except VLLMUnavailable as e:

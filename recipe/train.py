@@ -104,8 +104,8 @@ def train(c: SimpleNamespace) -> list[dict]:
                 now = time.perf_counter()
                 record = {"step": step, "generation": rollout, "iteration": it, **out, **stats,
                           "prompts_truncated": prompts_truncated, "old_logp_forwards": old_logp_forwards,
-                          "weight_syncs": c.generator.syncs, **timer.pop("sync", "generate", "score", "old_logp", "train"),
-                          "step_time_s": now - last}
+                          "weight_syncs": c.generator.syncs,
+                          **timer.pop("sync", "generate", "score", "old_logp", "train"), "step_time_s": now - last}
                 record["tokens_per_s"] = out["train_tokens"] / record["step_time_s"]
                 last = now
                 records.append(record)

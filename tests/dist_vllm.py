@@ -3,8 +3,9 @@
 Each round: one GRPO optimizer step on the ZeRO-3 engine, then checks that vLLM is stale before the
 sync and matches the trained weights after it: greedy tokens equal transformers' greedy decoding of a
 plain model holding the gathered weights, and the sampler's log-probs equal the trainer's own
-log-probs of the sampled tokens. Writes OUT.json on rank 0 (all flags reduced over ranks). Usage: dist_vllm.py OUT.json TP (TP 2: the two
-ranks share one tensor-parallel engine, each with its own prompts).
+log-probs of the sampled tokens. Writes OUT.json on rank 0 (all flags reduced over ranks).
+
+Usage: dist_vllm.py OUT.json TP  (TP 2: the two ranks share one tensor-parallel engine, each with its own prompts)
 """
 import json
 import sys

@@ -84,8 +84,9 @@ def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path, tp):
 @pytest.mark.slow
 def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     out = tmp_path / "qs"
-    torchrun(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--generation_backend", "vllm", "--max_steps", "80",
-                 "--vllm_importance_sampling_cap", "2.0", "--output_dir", str(out), "--disable_tqdm", "true"],
+    torchrun(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--generation_backend", "vllm",
+                 "--max_steps", "80", "--vllm_importance_sampling_cap", "2.0", "--output_dir", str(out),
+                 "--disable_tqdm", "true"],
              timeout=1200)
     records = read_jsonl(out / "metrics.jsonl")
     assert len(records) == 80
