@@ -104,6 +104,10 @@ class VLLMGenerator:
 
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, AutoConfig.from_pretrained(path), max_len,
                                                              sequences, 2 if bf16 else 4)
+        if not torch.cuda.is_available():
+            # A prompt prefilled in chunks has its seeded sampler rewound, which CPU generators cannot do
+            # ("CPU Generator does not use offset"): prefill every prompt whole.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 4096))
         # vLLM seeds the process's global RNGs when it runs in-process; keep the ones setup() seeded per rank.
         py_state, np_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
