@@ -30,13 +30,10 @@ def test_unsupported_cpu_head_size_is_named(tmp_path):
 
 
 @needs_vllm
-def test_config_validation_names_an_unsupported_head_size(tmp_path):
-    from recipe.tiny import build_model, build_tokenizer
-
-    tok = build_tokenizer()
-    model = build_model(tok)
-    model.config.num_attention_heads, model.config.num_key_value_heads = 8, 2  # head size 16
-    model.config.save_pretrained(tmp_path)
+def test_config_validation_names_an_unsupported_head_size(tmp_path, tiny_model_dir):
+    conf = json.loads((tiny_model_dir / "config.json").read_text())
+    conf.update(num_attention_heads=8, num_key_value_heads=2)  # hidden 128 / 8 heads = head size 16
+    (tmp_path / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ConfigError, match="does not support head size 16"):
         load_config(["--generation_backend", "vllm", "--model_name_or_path", str(tmp_path)])
 
