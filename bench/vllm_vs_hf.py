@@ -6,7 +6,7 @@ optimizer step moves the weights and vLLM is synced, so the sync time is that of
 Run it like the recipe (one process per rank; each rank measures its own share, tokens are summed):
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/vllm_vs_hf.py \\
-        [--rollouts 4] [--out bench/results/vllm_vs_hf.json] [--config FILE] [--key value ...]
+        [--rollouts 10] [--out bench/results/vllm_vs_hf.json] [--config FILE] [--key value ...]
 
 Extra `--key value` pairs override the recipe config (e.g. `--max_completion_length 64`).
 Writes the JSON on rank 0 and prints it.
@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 def parse() -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--rollouts", type=int, default=4, help="measured rollouts per backend (after one warm-up)")
+    p.add_argument("--rollouts", type=int, default=10, help="measured rollouts per backend (after one warm-up)")
     p.add_argument("--config", default="recipe/configs/quickstart.yaml", help="recipe config (model, prompts, lengths)")
     p.add_argument("--out", default=str(REPO / "bench/results/vllm_vs_hf.json"))
     return p.parse_known_args()
