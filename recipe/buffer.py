@@ -24,6 +24,7 @@ class RolloutBuffer:
     advantages: torch.Tensor  # [N]
     old_logps: torch.Tensor  # [N, C] (NaN until known)
     has_old_logps: torch.Tensor  # [N] bool
+    sampling_logps: torch.Tensor  # [N, C] the sampler's own log-probs (vLLM; NaN when not reported)
     order_seed: int  # seeds each pass's shuffle
 
     @property
@@ -35,7 +36,8 @@ class RolloutBuffer:
 
     @classmethod
     def build(cls, prompt_ids: list[list[int]], completion_ids: list[list[int]], advantages: torch.Tensor,
-              completion_mask: torch.Tensor, pad_id: int, order_seed: int) -> "RolloutBuffer":
+              completion_mask: torch.Tensor, pad_id: int, order_seed: int,
+              sampling_logps: torch.Tensor | None = None) -> "RolloutBuffer":
         """Left-pad prompts and right-pad completions into one [N, P + C] batch."""
         n = len(completion_ids)
         p_len = max(len(p) for p in prompt_ids)
@@ -47,8 +49,11 @@ class RolloutBuffer:
             attn[i, p_len - len(p):p_len] = 1
             ids[i, p_len:p_len + len(c)] = torch.tensor(c, dtype=torch.long)
         attn[:, p_len:] = completion_mask.long()
+        if sampling_logps is None:
+            sampling_logps = torch.full((n, c_len), float("nan"))
         return cls(ids, attn, completion_mask.float(), advantages.float(),
-                   torch.full((n, c_len), float("nan")), torch.zeros(n, dtype=torch.bool), order_seed)
+                   torch.full((n, c_len), float("nan")), torch.zeros(n, dtype=torch.bool),
+                   sampling_logps.float().cpu(), order_seed)
 
     # --- schedule ---------------------------------------------------------------------
     def schedule(self, pass_index: int, steps: int, micro_batch_size: int) -> list[list[torch.Tensor]]:
@@ -68,7 +73,8 @@ class RolloutBuffer:
     def micro_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
                 "completion_mask": self.completion_mask[idx], "advantages": self.advantages[idx],
-                "old_logps": self.old_logps[idx], "has_old_logps": self.has_old_logps[idx], "index": idx}
+                "old_logps": self.old_logps[idx], "has_old_logps": self.has_old_logps[idx],
+                "sampling_logps": self.sampling_logps[idx], "index": idx}
 
     def store_old_logps(self, idx: torch.Tensor, logps: torch.Tensor) -> None:
         self.old_logps[idx] = logps.detach().float().cpu()

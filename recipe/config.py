@@ -45,12 +45,19 @@ class Config:
     chat_template: str | bool = "auto"  # auto = use the tokenizer's chat template when it has one
     max_prompt_length: int = 256
     # --- generation --------------------------------------------------------------------
-    generation_backend: str = "hf"
+    generation_backend: str = "hf"  # hf (transformers generate on the engine's weights) or vllm
     num_generations: int = 8  # G: completions per prompt
     max_completion_length: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    # --- vLLM (generation_backend: vllm) -----------------------------------------------
+    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory (on CPU: of host memory) vLLM may plan for
+    vllm_tensor_parallel_size: int = 1  # consecutive ranks that shard one engine
+    vllm_enable_sleep_mode: bool = False  # GPU: release vLLM's memory while training
+    vllm_max_model_len: int | None = None  # None = max_prompt_length + max_completion_length
+    vllm_kv_cache_mib: int | None = None  # None: GPU sizes it from the utilization, CPU fits one rollout
+    vllm_importance_sampling_cap: float | None = None  # truncated IS correction of sampler drift; None = off
     # --- rewards -----------------------------------------------------------------------
     # Each entry: a built-in name ("length", "accuracy"), "module:function" or "path/file.py:function",
     # or a mapping {func: ..., weight: 1.0, kwargs: {...}}.
@@ -250,7 +257,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.save_steps >= 0, f"save_steps: must be >= 0, got {cfg.save_steps}")
     need(cfg.save_total_limit >= 0, f"save_total_limit: must be >= 0, got {cfg.save_total_limit}")
     need(cfg.max_grad_norm >= 0.0, f"max_grad_norm: must be >= 0, got {cfg.max_grad_norm}")
-    need(cfg.generation_backend in ("hf",), f"generation_backend: must be 'hf', got {cfg.generation_backend!r}")
+    need(cfg.generation_backend in ("hf", "vllm"),
+         f"generation_backend: must be hf or vllm, got {cfg.generation_backend!r}")
     need(str(cfg.bf16).lower() in ("auto", "true", "false"), f"bf16: must be auto, true or false, got {cfg.bf16!r}")
     need(str(cfg.chat_template).lower() in ("auto", "true", "false"),
          f"chat_template: must be auto, true or false, got {cfg.chat_template!r}")
@@ -281,7 +289,50 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         need(model in BUILTIN_MODELS, f"model_name_or_path: unknown built-in {model!r} (have {', '.join(BUILTIN_MODELS)})")
     elif model.startswith((".", "/", "~")) or resolve_path(model).exists():
         need(resolve_path(os.path.expanduser(model)).is_dir(), f"model_name_or_path: folder not found: {model}")
+    if cfg.generation_backend == "vllm":
+        validate_vllm(cfg, world_size)
+    else:
+        need(cfg.vllm_importance_sampling_cap is None,
+             "vllm_importance_sampling_cap: needs generation_backend: vllm "
+             "(the hf backend samples with the trainer's own weights)")
     # Reward specs are checked here too (imports only, nothing runs) so a typo fails before launch.
     from recipe.rewards import load_reward_funcs
 
     load_reward_funcs(cfg.reward_funcs)
+
+
+def validate_vllm(cfg: Config, world_size: int) -> None:
+    """vLLM fields, and whether vLLM can serve this model here (installed, head size), before anything starts."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    tp = cfg.vllm_tensor_parallel_size
+    if not 0.0 < cfg.vllm_gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"vllm_gpu_memory_utilization: must be in (0, 1], got {cfg.vllm_gpu_memory_utilization}")
+    if tp < 1 or world_size % tp:
+        raise ConfigError(f"vllm_tensor_parallel_size: must be >= 1 and divide the world size {world_size}, got {tp}")
+    if cfg.vllm_enable_sleep_mode and not cuda:
+        raise ConfigError("vllm_enable_sleep_mode: needs a GPU (vLLM has no sleep mode on CPU)")
+    max_len = cfg.vllm_max_model_len
+    if max_len is not None and max_len < cfg.max_prompt_length + cfg.max_completion_length:
+        raise ConfigError(f"vllm_max_model_len: {max_len} is shorter than max_prompt_length + max_completion_length "
+                          f"= {cfg.max_prompt_length + cfg.max_completion_length}")
+    if cfg.vllm_kv_cache_mib is not None and cfg.vllm_kv_cache_mib < 1:
+        raise ConfigError(f"vllm_kv_cache_mib: must be >= 1, got {cfg.vllm_kv_cache_mib}")
+    cap = cfg.vllm_importance_sampling_cap
+    if cap is not None and cap < 1.0:
+        raise ConfigError(f"vllm_importance_sampling_cap: must be >= 1 (it truncates ratios from above), got {cap}")
+    from recipe.generation.vllm import VLLMUnavailable, check_available
+
+    model = cfg.model_name_or_path
+    if model.startswith("builtin:"):
+        from recipe.tiny import ensure_builtin
+
+        folder = ensure_builtin(model)  # built offline and cached; its name was checked above
+    else:
+        folder = resolve_path(os.path.expanduser(model))
+    config_json = folder / "config.json" if (folder / "config.json").is_file() else None  # hub names: checked at start
+    try:
+        check_available(config_json, cuda)
+    except VLLMUnavailable as e:
+        raise ConfigError(str(e)) from None

@@ -84,12 +84,31 @@ def clip_counts(coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
                         ((below | above) & m).sum(), m.sum()]).float()
 
 
+def truncated_is_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling of the sampler's drift: min(exp(old_logp - sampling_logp), cap).
+
+    The sampler (vLLM) drew the tokens from slightly different probabilities than the trainer's old policy
+    computes; weighting each token's surrogate by that ratio keeps the gradient on-policy, and the cap bounds
+    its variance. Returns (weights, raw ratios); both are 1 outside the mask (no padding can leak NaN/inf).
+    """
+    m = mask.bool()
+    ratio = torch.where(m, torch.exp(old_logp - sampling_logp.nan_to_num(0.0)), torch.ones_like(old_logp))
+    return ratio.clamp(max=cap).detach(), ratio.detach()
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 loss_type: str, eps_low: float, eps_high: float, normalizer: float, max_completion_length: int,
-                beta: float = 0.0, ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """The GRPO loss of one micro-batch, and detached statistics for logging."""
+                beta: float = 0.0, ref_logp: torch.Tensor | None = None,
+                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """The GRPO loss of one micro-batch, and detached statistics for logging.
+
+    `is_weights` (per token, see `truncated_is_weights`) multiply the clipped surrogate, not the KL term.
+    """
     per_token, coef_1 = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)
     stats = {"clip_counts": clip_counts(coef_1.detach(), advantages, mask, eps_low, eps_high)}
+    if is_weights is not None:
+        per_token = per_token * is_weights
     if beta > 0.0:
         kl = k3_kl(logp, ref_logp)
         per_token = per_token + beta * kl

@@ -115,7 +115,7 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
             advantages = group_advantages(rewards, G, cfg.scale_rewards)
             mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
             buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, c.tokenizer.pad_token_id,
-                                      order_seed=cfg.seed * 100_003 + rollout)
+                                      order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps)
             # 4. old log-probs: only those that the first pass cannot capture from its own forward
             with timer("old_logp"):
                 old_logp_forwards += compute_old_logps(c.engine, buf, cfg)
@@ -133,7 +133,8 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
             step, now = step + 1, time.perf_counter()
             record = {"step": step, "generation": rollout, "iteration": it, "passes_used": it + 1, **out, **stats,
                       "prompts_truncated": prompts_truncated, "old_logp_forwards": old_logp_forwards,
-                      **timer.pop("generate", "score", "old_logp", "train"), "step_time_s": now - last}
+                      "weight_syncs": c.generator.syncs, **timer.pop("sync", "generate", "score", "old_logp", "train"),
+                      "step_time_s": now - last}
             record["tokens_per_s"], last = out["train_tokens"] / record["step_time_s"], now
             records.append(record)
             if step % cfg.logging_steps == 0 or step == cfg.max_steps:
@@ -151,7 +152,8 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
             if skip_rest:
                 break
         position = None
-        c.generator.sync(c.engine)  # the next rollout must sample from the updated policy
+        with timer("sync"):
+            c.generator.sync(c.engine)  # the next rollout must sample from the updated policy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     final = Path(cfg.output_dir) / "final"
     if not preempted:
         eng.save_hf_model(c.engine, c.tokenizer, final, c.rank, save_merged=cfg.save_merged)
-    c.generator.close()
     if c.rank == 0:
         if preempted:
             print(f"stopped by a signal at step {records[-1]['step'] if records else '?'}; checkpoint saved, "
@@ -184,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}")
             print(f"model:   {final}")
     dist.barrier()
-    dist.destroy_process_group()
+    c.generator.close()  # last: vLLM's shutdown tears the process group down itself
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return PREEMPTED_EXIT_CODE if preempted else 0
 
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
 from recipe.engine import device
-from recipe.loss import SEQUENCE_LOSSES, policy_loss, token_logps
+from recipe.loss import SEQUENCE_LOSSES, policy_loss, token_logps, truncated_is_weights
 
 
 def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
@@ -66,7 +66,10 @@ def normalizers(buf: RolloutBuffer, cfg: Config, world_size: int) -> torch.Tenso
 def train_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizer: float,
                cfg: Config, capture_old_logps: bool) -> dict:
     """Backward over each micro-batch, then one optimizer step. Returns step statistics over all ranks."""
-    acc = torch.zeros(8, device=device())  # loss, clip low/high/region/tokens, kl sum, ratio sum, approx kl sum
+    # loss, clip low/high/region/tokens, kl sum, ratio sum, approx-kl sum, IS ratio sum
+    acc = torch.zeros(9, device=device())
+    is_max = torch.zeros(1, device=device())
+    cap = cfg.vllm_importance_sampling_cap
     for idx in micro_batches:
         mb = _to_device(buf.micro_batch(idx))
         mask, c_len = mb["completion_mask"], mb["completion_mask"].shape[1]
@@ -80,10 +83,15 @@ def train_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor
         if cfg.beta > 0.0:
             with torch.no_grad():
                 ref_logp = forward_logps(ref, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature)
+        is_weights = None
+        if cap is not None:  # the sampler's drift from the old policy, corrected per token
+            is_weights, is_ratio = truncated_is_weights(old, mb["sampling_logps"], mask, cap)
+            acc[8] += (is_ratio * mask).sum()
+            is_max = torch.maximum(is_max, (is_ratio * mask).max().reshape(1))
         loss, stats = policy_loss(logp, old, mb["advantages"], mask, loss_type=cfg.loss_type,
                                   eps_low=cfg.epsilon, eps_high=cfg.eps_high, normalizer=normalizer,
                                   max_completion_length=cfg.max_completion_length, beta=cfg.beta,
-                                  ref_logp=ref_logp)
+                                  ref_logp=ref_logp, is_weights=is_weights)
         engine.backward(loss, scale_wrt_gas=False)  # the normalizer already accounts for accumulation
         engine.step()
         acc[0] += loss.detach()
@@ -94,6 +102,8 @@ def train_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor
         acc[7] += ((torch.exp(d) - 1.0 - d) * mask).sum()  # k3 estimate of KL(sampling policy || current)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(acc)
+        if cap is not None:
+            dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
     world = dist.get_world_size() if dist.is_initialized() else 1
     tokens = acc[4].clamp(min=1.0)
     out = {"loss": (acc[0] / world).item(), "clip_ratio_low": (acc[1] / tokens).item(),
@@ -102,6 +112,8 @@ def train_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor
            "train_tokens": int(acc[4].item())}
     if cfg.beta > 0.0:
         out["kl"] = (acc[5] / tokens).item()
+    if cap is not None:  # before the cap: how far the sampler drifted from the trainer
+        out["is_ratio_mean"], out["is_ratio_max"] = (acc[8] / tokens).item(), is_max.item()
     grad_norm = engine.get_global_grad_norm()
     if grad_norm is not None:
         out["grad_norm"] = float(grad_norm)

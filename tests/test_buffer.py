@@ -59,3 +59,15 @@ def test_old_logps_and_exact_state_round_trip():
         assert (v == w) if not isinstance(v, torch.Tensor) else torch.equal(v.nan_to_num(7), w.nan_to_num(7))
     mb = again.micro_batch(idx)
     assert mb["old_logps"].eq(-1.5).all() and mb["advantages"].tolist() == [1.0, 4.0]
+
+
+def test_sampling_logps_stored_and_round_tripped():
+    buf, prompts, comps = make()
+    assert torch.isnan(buf.sampling_logps).all() and buf.sampling_logps.shape == (8, 4)  # backend without them
+    lps = -torch.rand(8, 4, dtype=torch.float64)
+    mask = buf.completion_mask
+    again = RolloutBuffer.build(prompts, comps, buf.advantages, mask, pad_id=0, order_seed=3, sampling_logps=lps)
+    assert again.sampling_logps.dtype == torch.float32 and torch.equal(again.sampling_logps, lps.float())
+    restored = RolloutBuffer.from_state_dict(again.state_dict())
+    assert torch.equal(restored.sampling_logps, again.sampling_logps)
+    assert torch.equal(restored.micro_batch(torch.tensor([2, 5]))["sampling_logps"], lps.float()[[2, 5]])

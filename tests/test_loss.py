@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from recipe.loss import clip_counts, group_advantages, k3_kl, policy_loss, reduce_loss, token_logps
+from recipe.loss import (clip_counts, group_advantages, k3_kl, policy_loss, reduce_loss, token_logps,
+                         truncated_is_weights)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -20,7 +21,8 @@ def _batch(seed=0, b=4, t=6):
     return logp, old, adv, mask
 
 
-def direct_loss(logp, old, adv, mask, loss_type, normalizer, max_len, eps_lo=0.2, eps_hi=0.28, beta=0.0, ref=None):
+def direct_loss(logp, old, adv, mask, loss_type, normalizer, max_len, eps_lo=0.2, eps_hi=0.28, beta=0.0, ref=None,
+                w=None):
     """Element by element, straight from the definitions."""
     b, t = logp.shape
     per_seq, total = [], 0.0
@@ -30,6 +32,8 @@ def direct_loss(logp, old, adv, mask, loss_type, normalizer, max_len, eps_lo=0.2
             r = math.exp(logp[i, j] - old[i, j])
             a = adv[i].item()
             val = -min(r * a, min(max(r, 1 - eps_lo), 1 + eps_hi) * a)
+            if w is not None:  # the IS weight scales the surrogate only
+                val *= w[i][j]
             if beta:
                 d = (ref[i, j] - logp[i, j]).item()
                 val += beta * (math.exp(d) - d - 1)
@@ -137,3 +141,34 @@ def test_clip_counts_respects_mask():
     coef = torch.tensor([[0.1, 5.0]])
     counts = clip_counts(coef, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), 0.2, 0.2)
     assert counts.tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_truncated_is_weights_match_direct_formula():
+    logp, old, _, mask = _batch(seed=3)
+    sampling = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(4))
+    sampling[mask == 0] = float("nan")  # padding: whatever the sampler left there must not leak
+    w, raw = truncated_is_weights(old, sampling, mask, cap=1.3)
+    for i in range(old.shape[0]):
+        for j in range(old.shape[1]):
+            if mask[i, j]:
+                r = math.exp(old[i, j].item() - sampling[i, j].item())
+                assert raw[i, j].item() == pytest.approx(r, rel=1e-6)
+                assert w[i, j].item() == pytest.approx(min(r, 1.3), rel=1e-6)
+            else:
+                assert w[i, j].item() == 1.0 and raw[i, j].item() == 1.0
+    assert (w < raw).any() and (w == raw).any()  # the cap bit somewhere, and not everywhere
+    assert not w.requires_grad
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_policy_loss_with_is_weights_matches_direct_formula(loss_type):
+    logp, old, adv, mask = _batch(seed=5)
+    ref = logp - 0.1
+    sampling = old - 0.3 * torch.rand(old.shape, generator=torch.Generator().manual_seed(6))
+    w, _ = truncated_is_weights(old, sampling, mask, cap=1.2)
+    loss, _ = policy_loss(logp, old, adv, mask, loss_type=loss_type, eps_low=0.2, eps_high=0.28, normalizer=2.5,
+                          max_completion_length=10, beta=0.05, ref_logp=ref, is_weights=w)
+    expected = direct_loss(logp, old, adv, mask, loss_type, 2.5, 10, beta=0.05, ref=ref,
+                           w=[[min(math.exp(o - s), 1.2) for o, s in zip(ro.tolist(), rs.tolist())]
+                              for ro, rs in zip(old, sampling)])
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)

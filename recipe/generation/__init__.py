@@ -52,4 +52,9 @@ def build_generator(cfg, engine, tokenizer) -> Generator:
         from recipe.generation.hf import HFGenerator
 
         return HFGenerator(cfg, engine, tokenizer)
+    if cfg.generation_backend == "vllm":
+        from recipe.engine import model_path
+        from recipe.generation.vllm import VLLMGenerator
+
+        return VLLMGenerator(cfg, engine, tokenizer, model_path(cfg))
     raise ValueError(f"generation_backend: unknown {cfg.generation_backend!r}")

@@ -1,0 +1,115 @@
+"""Generation throughput: vLLM (colocated, synced from ZeRO-3) vs transformers `generate`, in one run.
+
+Both backends sample the same prompts (the recipe's own prompt stream) with the same sampling settings
+and lengths, from the same ZeRO-3 engine, alternating rollout by rollout. Between rollouts a real GRPO
+optimizer step moves the weights and vLLM is synced, so the sync time is that of a real rollout.
+Run it like the recipe (one process per rank; each rank measures its own share, tokens are summed):
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/vllm_vs_hf.py \\
+        [--rollouts 10] [--out bench/results/vllm_vs_hf.json] [--config FILE] [--key value ...]
+
+Extra `--key value` pairs override the recipe config (e.g. `--max_completion_length 64`).
+Writes the JSON on rank 0 and prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def parse() -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--rollouts", type=int, default=10, help="measured rollouts per backend (after one warm-up)")
+    p.add_argument("--config", default="recipe/configs/quickstart.yaml", help="recipe config (model, prompts, lengths)")
+    p.add_argument("--out", default=str(REPO / "bench/results/vllm_vs_hf.json"))
+    return p.parse_known_args()
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    args, overrides = parse()
+    from recipe import train
+    from recipe.buffer import RolloutBuffer
+    from recipe.config import load_config
+    from recipe.generation.hf import HFGenerator
+    from recipe.loss import group_advantages
+    from recipe.rewards import score
+    from recipe.update import normalizers, train_step
+
+    cfg = load_config(["--config", args.config, *overrides, "--generation_backend", "vllm",
+                       "--output_dir", "/tmp/bench_vllm_vs_hf"])
+    c = train.setup(cfg)  # engine, prompt stream and the vLLM generator, exactly as the recipe builds them
+    backends = {"hf": HFGenerator(cfg, c.engine, c.tokenizer), "vllm": c.generator}
+    totals = {name: {"tokens": 0.0, "seconds": 0.0, "sequences": 0.0} for name in backends}
+    sync_s = []
+    for r in range(args.rollouts + 1):  # rollout 0 warms both up and is not counted
+        batch = c.stream.batch(r)
+        seed = (cfg.seed + (r * c.world + c.rank) * 1000) % 2**31
+        for name, gen in backends.items():
+            dist.barrier()
+            comp, dt = timed(lambda: gen.generate(batch.prompt_ids, seed=seed))
+            if r > 0:
+                totals[name]["tokens"] += comp.mask.sum().item()
+                totals[name]["seconds"] += dt
+                totals[name]["sequences"] += len(comp.ids)
+        # one real GRPO step on the vLLM rollout, then the sync the recipe does before the next rollout
+        rows = batch.repeat(cfg.num_generations)
+        rewards, _ = score(c.rewards, rows.prompts, comp.texts, rows.columns)
+        buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, group_advantages(rewards, cfg.num_generations),
+                                  comp.mask, c.tokenizer.pad_token_id, order_seed=r, sampling_logps=comp.logps)
+        step = buf.schedule(0, cfg.steps_per_generation, cfg.per_device_train_batch_size)[0]
+        train_step(c.engine, None, buf, step, normalizers(buf, cfg, c.world)[0, 0].item(), cfg, capture_old_logps=False)
+        dist.barrier()
+        _, dt = timed(lambda: c.generator.sync(c.engine))
+        if r > 0:
+            sync_s.append(dt)
+    # sum tokens over ranks; time is the slowest rank's (the ranks generate side by side)
+    vec = torch.tensor([[t["tokens"], t["sequences"]] for t in totals.values()], dtype=torch.float64)
+    secs = torch.tensor([t["seconds"] for t in totals.values()] + [max(sync_s)], dtype=torch.float64)
+    dist.all_reduce(vec)
+    dist.all_reduce(secs, op=dist.ReduceOp.MAX)
+    result = {name: {"tokens_per_s": vec[i, 0].item() / secs[i].item(), "tokens": int(vec[i, 0].item()),
+                     "seconds": secs[i].item(), "mean_completion_tokens": vec[i, 0].item() / vec[i, 1].item()}
+              for i, name in enumerate(totals)}
+    report = {
+        "what": "generation tokens/s (all ranks) of vLLM vs transformers generate; vLLM weight sync per rollout",
+        "command": "torchrun --nproc_per_node {} bench/vllm_vs_hf.py {}".format(c.world, " ".join(sys.argv[1:])),
+        "machine": {"cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                    "ranks": c.world, "torch_threads_per_rank": torch.get_num_threads(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "vllm": __import__("vllm").__version__},
+        "setup": {"model": cfg.model_name_or_path, "prompts_per_rank_per_rollout": cfg.prompts_per_rollout,
+                  "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
+                  "temperature": cfg.temperature, "rollouts_measured": args.rollouts},
+        **result,
+        "vllm_speedup": result["vllm"]["tokens_per_s"] / result["hf"]["tokens_per_s"],
+        "sync_s_per_rollout": {"mean": sum(sync_s) / len(sync_s), "max_slowest_rank": secs[-1].item()},
+        "sync_share_of_vllm_rollout": (sum(sync_s) / len(sync_s)) / (result["vllm"]["seconds"] / args.rollouts),
+    }
+    if c.rank == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report, indent=2))
+    dist.barrier()
+    c.generator.close()  # last: vLLM's shutdown tears the process group down
+
+
+if __name__ == "__main__":
+    main()

