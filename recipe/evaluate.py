@@ -39,11 +39,11 @@ def greedy(model, tok, texts: list[str], max_new_tokens: int, batch_size: int, a
         for row, i in enumerate(idx):
             ids[row, width - len(enc[i]):] = torch.tensor(enc[i])
             attn[row, width - len(enc[i]):] = 1
-        gen = model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=max_new_tokens,
+        gen = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device), do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, top_p=None, top_k=None,
                              temperature=None)
         for row, i in enumerate(idx):
-            out[i] = tok.decode(gen[row, width:], skip_special_tokens=True)
+            out[i] = tok.decode(gen[row, width:].tolist(), skip_special_tokens=True)
     return out
 
 
@@ -69,6 +69,7 @@ def evaluate(model_path: str, data: str, reward: str = DEFAULT_REWARD, prompt_co
         model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=torch.float32).merge_and_unload().eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
     rows = ds[:]
     prompts = rows[prompt_column]
     t0 = time.perf_counter()
