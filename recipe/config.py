@@ -259,6 +259,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.max_grad_norm >= 0.0, f"max_grad_norm: must be >= 0, got {cfg.max_grad_norm}")
     need(cfg.generation_backend in ("hf", "vllm"),
          f"generation_backend: must be hf or vllm, got {cfg.generation_backend!r}")
+    need(not (cfg.use_peft and cfg.generation_backend == "vllm"),
+         "generation_backend: vllm does not take LoRA weights yet (use_peft: true); use generation_backend: hf, "
+         "which generates with the adapter merged")
     need(str(cfg.bf16).lower() in ("auto", "true", "false"), f"bf16: must be auto, true or false, got {cfg.bf16!r}")
     need(str(cfg.chat_template).lower() in ("auto", "true", "false"),
          f"chat_template: must be auto, true or false, got {cfg.chat_template!r}")

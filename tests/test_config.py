@@ -43,6 +43,7 @@ def test_derived_sizes():
     (["--reward_funcs", "[nosuchmodule_xyz:fn]"], "cannot import module"),
     (["--reward_funcs", "[length_typo]"], "is not a built-in"),
     (["--per_device_train_batch_size", "0"], "per_device_train_batch_size: must be >= 1"),
+    (["--use_peft", "true", "--generation_backend", "vllm"], "vllm does not take LoRA weights yet"),
 ])
 def test_bad_values_are_named(args, message):
     with pytest.raises(Exception) as e:
