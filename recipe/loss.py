@@ -106,7 +106,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     `is_weights` (per token, see `truncated_is_weights`) multiply the clipped surrogate, not the KL term.
     """
     per_token, coef_1 = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)
-    stats = {"clip_counts": clip_counts(coef_1.detach(), advantages, mask, eps_low, eps_high)}
+    ratio, log_ratio = coef_1.detach(), logp.detach() - old_logp
+    # k3 estimate of KL(old || current) from the same ratios: r - 1 - log r (>= 0, no extra forward)
+    stats = {"clip_counts": clip_counts(ratio, advantages, mask, eps_low, eps_high),
+             "ratio_sum": (ratio * mask).sum(), "approx_kl_sum": ((ratio - 1.0 - log_ratio) * mask).sum()}
     if is_weights is not None:
         per_token = per_token * is_weights
     if beta > 0.0:

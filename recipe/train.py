@@ -78,9 +78,35 @@ def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_pro
     return out
 
 
+def collect_rollout(c: SimpleNamespace, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict, int]:
+    """Generate this rank's groups, score them, and fill the rank-local buffer with advantages and the old
+    log-probs the first pass cannot capture itself. Returns (buffer, rollout stats, old log-prob forwards)."""
+    cfg, G = c.cfg, c.cfg.num_generations
+    batch = c.stream.batch(rollout)
+    with timer("generate"):
+        comp = c.generator.generate(batch.prompt_ids, seed=(cfg.seed + (rollout * c.world + c.rank) * 1000) % 2**31)
+    # a bad reward on any rank stops every rank with that rank's message
+    rows, error = batch.repeat(G), None
+    with timer("score"):
+        try:
+            rewards, per_func = score(c.rewards, rows.prompts, comp.texts, rows.columns)
+        except RewardError as e:
+            error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in c.rewards}
+    stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
+    if stats.pop("failed_ranks"):
+        raise error or RewardError(f"a reward function failed on another rank in rollout {rollout}")
+    advantages = group_advantages(rewards, G, cfg.scale_rewards)  # every group lives on this rank
+    mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
+    buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, c.tokenizer.pad_token_id,
+                              order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps)
+    with timer("old_logp"):
+        forwards = compute_old_logps(c.engine, buf, cfg)
+    return buf, stats, forwards
+
+
 def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], bool]:
     """The loop. Returns the step records and whether it stopped early for a signal (after a checkpoint)."""
-    cfg, G, timer, ckpt = c.cfg, c.cfg.num_generations, Timer(), c.checkpointer
+    cfg, timer, ckpt = c.cfg, Timer(), c.checkpointer
     r = resume or {}
     step, position = r.get("step", 0), r.get("position")
     old_logp_forwards, prompts_truncated = r.get("old_logp_forwards", 0), r.get("prompts_truncated", 0)
@@ -96,32 +122,12 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
     for rollout in itertools.count(r.get("rollout", 0)):
         if "buffer" in r:  # resuming inside this rollout: same samples, same old log-probs
             buf, stats = RolloutBuffer.from_state_dict(r.pop("buffer")), r.pop("stats")
-        else:
-            # 1. generate: complete groups for this rank's own prompts
-            batch = c.stream.batch(rollout)
-            with timer("generate"):
-                comp = c.generator.generate(batch.prompt_ids, seed=(cfg.seed + (rollout * c.world + c.rank) * 1000) % 2**31)
-            # 2. score (a bad reward on any rank stops every rank with that rank's message)
-            rows, error = batch.repeat(G), None
-            with timer("score"):
-                try:
-                    rewards, per_func = score(c.rewards, rows.prompts, comp.texts, rows.columns)
-                except RewardError as e:
-                    error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in c.rewards}
-            stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
-            if stats.pop("failed_ranks"):
-                raise error or RewardError(f"a reward function failed on another rank in rollout {rollout}")
+        else:  # generate, score, advantages, old log-probs
+            buf, stats, forwards = collect_rollout(c, rollout, timer)
             prompts_truncated += stats.pop("prompts_truncated")
-            # 3. group advantages and the rank-local rollout buffer
-            advantages = group_advantages(rewards, G, cfg.scale_rewards)
-            mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
-            buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, c.tokenizer.pad_token_id,
-                                      order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps)
-            # 4. old log-probs: only those that the first pass cannot capture from its own forward
-            with timer("old_logp"):
-                old_logp_forwards += compute_old_logps(c.engine, buf, cfg)
+            old_logp_forwards += forwards
         norms = normalizers(buf, cfg, c.world)
-        # 5. mu passes over the rollout, each split into steps_per_generation optimizer steps
+        # mu passes over the rollout, each split into steps_per_generation optimizer steps
         last_step = (cfg.num_iterations - 1, cfg.steps_per_generation - 1)
         for it, s, micro_batches in buf.optimizer_steps(cfg.num_iterations, cfg.steps_per_generation,
                                                         cfg.per_device_train_batch_size, after=position):
@@ -140,7 +146,7 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
             records.append(record)
             if step % cfg.logging_steps == 0 or step == cfg.max_steps:
                 logger.log(record)
-            # 6. checkpoint on schedule, at the end, or when a signal asks every rank to stop
+            # checkpoint on schedule, at the end, or when a signal asks every rank to stop
             stop, done = ckpt.stop_requested(), step >= cfg.max_steps
             if stop or ckpt.should_save(step) or (done and cfg.save_steps > 0):
                 ckpt.save(c.engine, step, {"step": step, "rollout": rollout, "position": last_step if skip_rest else (it, s),

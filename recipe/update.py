@@ -97,9 +97,8 @@ def train_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor
         acc[0] += loss.detach()
         acc[1:5] += stats["clip_counts"]
         acc[5] += stats.get("kl_sum", 0.0)
-        d = logp.detach() - old
-        acc[6] += (torch.exp(d) * mask).sum()
-        acc[7] += ((torch.exp(d) - 1.0 - d) * mask).sum()  # k3 estimate of KL(sampling policy || current)
+        acc[6] += stats["ratio_sum"]
+        acc[7] += stats["approx_kl_sum"]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(acc)
         if cap is not None:

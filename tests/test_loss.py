@@ -137,6 +137,20 @@ def test_token_logps_and_k3():
     assert kl[0].item() == 0.0 and kl[1].item() == pytest.approx(math.exp(0.5) - 0.5 - 1)
 
 
+def test_ratio_and_approx_kl_stats_match_direct_sums():
+    """The replay statistics (mean ratio, k3 KL of the rollout's policy from the current one) come from the
+    loss's own ratios; element by element they are r and r - 1 - log r over the masked tokens."""
+    logp, old, adv, mask = _batch(seed=3)
+    _, stats = policy_loss(logp, old, adv, mask, loss_type="dapo", eps_low=0.2, eps_high=0.28, normalizer=1.0,
+                           max_completion_length=6)
+    ratios = [math.exp(logp[i, j] - old[i, j]) for i in range(4) for j in range(6) if mask[i, j]]
+    assert stats["ratio_sum"].item() == pytest.approx(sum(ratios), rel=1e-5)
+    assert stats["approx_kl_sum"].item() == pytest.approx(sum(r - 1 - math.log(r) for r in ratios), rel=1e-4)
+    _, same = policy_loss(old, old, adv, mask, loss_type="dapo", eps_low=0.2, eps_high=0.28, normalizer=1.0,
+                          max_completion_length=6)
+    assert same["approx_kl_sum"].item() == 0.0 and same["ratio_sum"].item() == mask.sum().item()
+
+
 def test_clip_counts_respects_mask():
     coef = torch.tensor([[0.1, 5.0]])
     counts = clip_counts(coef, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), 0.2, 0.2)
