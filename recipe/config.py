@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 @dataclass
 class Config:
     # --- model -------------------------------------------------------------------------
-    model_name_or_path: str = "builtin:tiny-qwen2"  # a folder, a hub name, or builtin:tiny-qwen2
+    model_name_or_path: str = "builtin:tiny-qwen2"  # a folder, a hub name, builtin:tiny-qwen2 or tiny-qwen2-h64
     bf16: str | bool = "auto"  # auto = bf16 on GPUs, fp32 on CPU
     gradient_checkpointing: bool = False
     # --- LoRA (peft) -------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A tiny Qwen2-architecture model and byte-level BPE tokenizer, built offline and cached on disk.
 
 `model_name_or_path: builtin:tiny-qwen2` resolves to this folder, so the quickstart and the tests need
-no network. Head size 32 (hidden 128, 4 heads) so vLLM's CPU attention supports it too.
+no network. Head size 32 (hidden 128, 4 heads) so vLLM's CPU attention supports it too. A smaller
+sibling, builtin:tiny-qwen2-h64 (hidden 64), is the model of the reuse benchmarks' TRL-comparable regime.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-BUILTIN_MODELS = ("builtin:tiny-qwen2",)
+# name -> (hidden size, MLP size, attention heads, key/value heads); same tokenizer for all
+BUILTIN_MODELS = {"builtin:tiny-qwen2": (128, 256, 4, 2), "builtin:tiny-qwen2-h64": (64, 128, 2, 1)}
 VERSION = "v1"  # bump when the recipe below changes, so stale caches are not reused
 CORPUS = Path(__file__).parent / "data" / "tldr_prompts.jsonl"
 # Qwen2's own pre-tokenization: AutoTokenizer loads a folder with a qwen2 config.json as Qwen2Tokenizer,
@@ -42,14 +44,15 @@ def build_tokenizer(vocab_size: int = 512):
                                    model_max_length=1024)
 
 
-def build_model(tokenizer, seed: int = 0):
+def build_model(tokenizer, seed: int = 0, shape: tuple = BUILTIN_MODELS["builtin:tiny-qwen2"]):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     eos = tokenizer.convert_tokens_to_ids(EOS)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    hidden, intermediate, heads, kv_heads = shape
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
                          attention_dropout=0.0)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -65,7 +68,7 @@ def ensure_builtin(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     tok = build_tokenizer()
-    build_model(tok).save_pretrained(tmp)
+    build_model(tok, shape=BUILTIN_MODELS[name]).save_pretrained(tmp)
     tok.save_pretrained(tmp)
     try:
         os.rename(tmp, target)
