@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate every benchmark result and plot under bench/results/ (about 30 minutes on 2 idle CPU cores).
+# Regenerate every benchmark result and plot under bench/results/ (about 100 minutes on 2 idle CPU cores).
 # Run on an otherwise idle machine: the figures are wall-clock ratios measured side by side in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,6 +7,9 @@ bash launch/setup_venv.sh test
 PY="$PWD/.venv/bin/python"
 cd bench
 $PY mu_sweep.py --mus 1 2 4 8 --seeds 0 1 2 --steps 48
+$PY reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 long_lr1e-3 --variants 1 2 4 8 4+kl2e-3
+$PY reuse_regimes.py --regimes trl_lr1e-3 --variants 1 2 4 8 4+kl5e-4 4+kl2e-3 --keep
+$PY reuse_regimes.py --regimes long_g4_lr3e-4 --variants 1 2 4 4+kl5e-4 --keep
 $PY breakdown.py --steps 16
 $PY memory.py --steps 6
 $PY lora_memory.py

