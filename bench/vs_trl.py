@@ -227,6 +227,13 @@ def versions(python: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The recipe's configs name repo-relative files (prompts, DeepSpeed config), so work from the repo root;
+    # the caller's own paths are made absolute first (a --config not found here is taken from the repo root).
+    args.out = str(Path(args.out).resolve())
+    args.workdir = str(Path(args.workdir).resolve()) if args.workdir else None
+    if Path(args.config).exists():
+        args.config = str(Path(args.config).resolve())
+    os.chdir(REPO)
     try:
         import matplotlib  # noqa: F401  (checked before minutes of runs, used at the end)
     except ImportError:
