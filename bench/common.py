@@ -38,7 +38,21 @@ def launch(nproc: int, entry: list[str], overrides: list[str], log: Path) -> flo
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """The run's metrics.jsonl records; a half-written last line (a run still going) is left out."""
+    path = out_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+def smoothed(rows: list[dict], k: int) -> list[float]:
+    """Moving average of the rows' rewards over the last k rollouts."""
+    vals = [r["reward"] for r in rows]
+    return [sum(vals[max(0, i - k + 1):i + 1]) / len(vals[max(0, i - k + 1):i + 1]) for i in range(len(vals))]
+
+
+def time_to(rows: list[dict], threshold: float, k: int) -> float | None:
+    """Wall time at which the k-rollout moving average first reached the threshold (None: never)."""
+    return next((r["time_s"] for r, s in zip(rows, smoothed(rows, k)) if s >= threshold), None)
 
 
 def per_generation(records: list[dict]) -> list[dict]:

@@ -14,21 +14,10 @@ import argparse
 import statistics
 from pathlib import Path
 
-from common import QUICKSTART, RESULTS, launch, machine, per_generation, read_metrics, save_json
+from common import QUICKSTART, RESULTS, launch, machine, per_generation, read_metrics, save_json, smoothed, time_to
 
 FRACTIONS = (0.5, 0.8)
-
-
-def smoothed(rows: list[dict], k: int = 3) -> list[float]:
-    vals = [r["reward"] for r in rows]
-    return [sum(vals[max(0, i - k + 1):i + 1]) / len(vals[max(0, i - k + 1):i + 1]) for i in range(len(vals))]
-
-
-def time_to(rows: list[dict], threshold: float) -> float | None:
-    for row, s in zip(rows, smoothed(rows)):
-        if s >= threshold:
-            return row["time_s"]
-    return None
+SMOOTH = 3  # rollouts in the reward's moving average
 
 
 def main() -> None:
@@ -63,14 +52,14 @@ def main() -> None:
     for f, thr in thresholds.items():
         per_mu = {}
         for mu in args.mus:
-            times = [time_to(r["rows"], thr) for r in runs if r["mu"] == mu]
+            times = [time_to(r["rows"], thr, SMOOTH) for r in runs if r["mu"] == mu]
             per_mu[mu] = times
         speedups = {}
         for mu in args.mus:
             ratios = []
             for seed in args.seeds:
-                t1 = next(time_to(r["rows"], thr) for r in runs if r["mu"] == 1 and r["seed"] == seed)
-                tm = next(time_to(r["rows"], thr) for r in runs if r["mu"] == mu and r["seed"] == seed)
+                t1 = next(time_to(r["rows"], thr, SMOOTH) for r in runs if r["mu"] == 1 and r["seed"] == seed)
+                tm = next(time_to(r["rows"], thr, SMOOTH) for r in runs if r["mu"] == mu and r["seed"] == seed)
                 if tm is not None:
                     ratios.append(float("inf") if t1 is None else t1 / tm)
                 else:
@@ -109,8 +98,9 @@ def plot(runs, mus, thresholds, path: Path) -> None:
     colors = dict(zip(mus, plt.cm.viridis([i / max(1, len(mus) - 1) for i in range(len(mus))])))
     for r in runs:
         label = f"mu={r['mu']}" if r["seed"] == runs[0]["seed"] else None
-        axes[0].plot([x["time_s"] for x in r["rows"]], smoothed(r["rows"]), color=colors[r["mu"]], label=label)
-        axes[1].plot([x["generation"] for x in r["rows"]], smoothed(r["rows"]), color=colors[r["mu"]], label=label)
+        avg = smoothed(r["rows"], SMOOTH)
+        axes[0].plot([x["time_s"] for x in r["rows"]], avg, color=colors[r["mu"]], label=label)
+        axes[1].plot([x["generation"] for x in r["rows"]], avg, color=colors[r["mu"]], label=label)
     for ax, xl in zip(axes, ("wall-clock seconds (start-up excluded)", "generations (rollouts)")):
         for f, t in thresholds.items():
             ax.axhline(t, ls="--", lw=0.8, color="gray")

@@ -30,7 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import QUICKSTART, REPO, RESULTS, machine, per_generation, save_json
+from common import (QUICKSTART, REPO, RESULTS, machine, per_generation, read_metrics, save_json, smoothed,
+                    time_to)
 
 FRACTIONS = (0.5, 0.8, 0.9)
 SMOOTH = 4
@@ -77,18 +78,18 @@ def run(regime: str, variant: str, seed: int, root: Path) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                TOKENIZERS_PARALLELISM="false")
     out.mkdir(parents=True, exist_ok=True)
-    metrics, budget = out / "metrics.jsonl", REGIMES[regime]["budget_s"]
-    metrics.unlink(missing_ok=True)
+    budget = REGIMES[regime]["budget_s"]
+    (out / "metrics.jsonl").unlink(missing_ok=True)
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             time.sleep(0.5)
-            if metrics.exists() and trained_seconds(metrics) >= budget:
+            if trained_seconds(read_metrics(out)) >= budget:
                 proc.kill()
                 proc.wait()
                 break
-    recs = read(metrics)
-    if not recs or trained_seconds(metrics) < budget:
+    recs = read_metrics(out)
+    if not recs or trained_seconds(recs) < budget:
         raise RuntimeError(f"{regime} mu={variant} seed={seed} stopped early; see {out.with_suffix('.log')}")
     passes = [r["passes_used"] for r in recs if r["step"] == len(recs) or
               recs[r["step"]]["generation"] != r["generation"]]
@@ -99,22 +100,8 @@ def run(regime: str, variant: str, seed: int, root: Path) -> dict:
             "passes_used_mean": statistics.mean(passes), "steps": len(recs), "budget_s": budget}
 
 
-def read(path: Path) -> list[dict]:
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(x) for x in lines if x.strip().endswith("}")]  # the last line may be half-written
-
-
-def trained_seconds(path: Path) -> float:
-    return sum(r["step_time_s"] for r in read(path))
-
-
-def smoothed(rows: list[dict]) -> list[float]:
-    vals = [r["reward"] for r in rows]
-    return [statistics.mean(vals[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(vals))]
-
-
-def time_to(rows: list[dict], threshold: float) -> float | None:
-    return next((r["time_s"] for r, s in zip(rows, smoothed(rows)) if s >= threshold), None)
+def trained_seconds(records: list[dict]) -> float:
+    return sum(r["step_time_s"] for r in records)
 
 
 def speedup(t1: float | None, tv: float | None, budget: float) -> float | None:
@@ -129,7 +116,7 @@ def summarize(runs: list[dict]) -> dict:
     for regime in dict.fromkeys(r["regime"] for r in runs):
         rr = [r for r in runs if r["regime"] == regime]
         start = statistics.median(r["rows"][0]["reward"] for r in rr)
-        best = max(max(smoothed(r["rows"])) for r in rr)
+        best = max(max(smoothed(r["rows"], SMOOTH)) for r in rr)
         thresholds = {str(f): start + f * (best - start) for f in FRACTIONS}
         seeds = sorted({r["seed"] for r in rr})
         base = {r["seed"]: r for r in rr if r["variant"] == "1"}
@@ -138,15 +125,15 @@ def summarize(runs: list[dict]) -> dict:
             vr = {r["seed"]: r for r in rr if r["variant"] == variant}
             row = {}
             for f, thr in thresholds.items():
-                per_seed = [speedup(time_to(base[s]["rows"], thr), time_to(vr[s]["rows"], thr),
-                                    base[s]["budget_s"]) for s in seeds if s in vr and s in base]
+                t1 = {s: time_to(base[s]["rows"], thr, SMOOTH) for s in seeds if s in base}
+                tv = {s: time_to(vr[s]["rows"], thr, SMOOTH) for s in seeds if s in vr}
+                per_seed = [speedup(t1[s], tv[s], base[s]["budget_s"]) for s in seeds if s in vr and s in base]
                 known = [x for x in per_seed if x is not None]
                 # mu = 1 never got there but the variant did: budget / t, a lower bound of the speed-up
-                bound = [time_to(base[s]["rows"], thr) is None and time_to(vr[s]["rows"], thr) is not None
-                         for s in seeds if s in vr and s in base]
+                bound = [t1[s] is None and tv[s] is not None for s in seeds if s in vr and s in base]
                 row[f] = {"median": statistics.median(known) if known else None, "per_seed": per_seed,
                           "per_seed_is_lower_bound": bound,
-                          "time_s": [time_to(vr[s]["rows"], thr) for s in seeds if s in vr]}
+                          "time_s": [tv[s] for s in seeds if s in vr]}
             g = statistics.median(r["generation_share"] for r in base.values())
             if variant.isdigit() and variant != "1":  # plain mu: the perfect-reuse bound and the replay efficiency
                 mu, s08 = int(variant), row["0.8"]["median"]
@@ -238,8 +225,8 @@ def plot(regime: str, runs: list[dict], summary: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         label = f"mu={r['variant']}" if r["seed"] == runs[0]["seed"] else None
-        ax.plot([x["time_s"] for x in r["rows"]], smoothed(r["rows"]), color=colors[r["variant"]], label=label,
-                lw=1.2 if r["variant"] == "1" or "+" in r["variant"] else 0.7)
+        ax.plot([x["time_s"] for x in r["rows"]], smoothed(r["rows"], SMOOTH), color=colors[r["variant"]],
+                label=label, lw=1.2 if r["variant"] == "1" or "+" in r["variant"] else 0.7)
     for f, t in summary["thresholds"].items():
         ax.axhline(t, ls="--", lw=0.8, color="gray")
     ax.set_xlabel("wall-clock training seconds (start-up excluded)")
