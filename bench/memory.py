@@ -3,12 +3,15 @@
 The old log-probs live in each rank's own rollout buffer and are never gathered, so their bytes per rank
 stay constant when ranks double at a fixed per-rank batch (and the global batch doubles).
 
-    python bench/memory.py
+    python bench/memory.py            # runs, then memory.json and memory.png
+    python bench/memory.py --replot   # memory.png again from the existing memory.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+
+from pathlib import Path
 
 from common import QUICKSTART, RESULTS, launch, machine, save_json
 
@@ -18,7 +21,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--mus", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--replot", action="store_true", help="only redraw memory.png from memory.json")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads((RESULTS / "memory.json").read_text())["rows"], RESULTS / "memory.png")
+        return
     rows = []
     for world in args.worlds:
         for mu in args.mus:
@@ -41,7 +48,32 @@ def main() -> None:
                       "state, KV cache of generate); the old log-probs are [completions per rank x completion "
                       "length] float32 on each rank", "machine": machine()}
     path = save_json("memory.json", result)
+    plot(rows, RESULTS / "memory.png")
     print(f"wrote {path}; old log-prob bytes per rank constant across world sizes: {constant}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    panels = (("peak_rss_mib_per_rank", 1.0, "peak RSS per rank (MiB)"),
+              ("old_logp_bytes_per_rank", 1024.0, "old log-probs per rank (KiB)"))
+    for ax, (key, scale, label) in zip(axes, panels):
+        for mu in sorted({r["mu"] for r in rows}):
+            pts = sorted((r["world_size"], max(r[key]) / scale) for r in rows if r["mu"] == mu)
+            ax.plot([w for w, _ in pts], [v for _, v in pts], "o-", label=f"mu={mu}")
+        ax.set_xlabel("world size (ranks), fixed per-rank batch")
+        ax.set_ylabel(label)
+        ax.set_xticks(sorted({r["world_size"] for r in rows}))
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.suptitle("Memory per rank: old log-probs stay sharded on the rank that generated them")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

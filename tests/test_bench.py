@@ -42,6 +42,7 @@ def test_memory_smoke(tmp_path):
     assert r["rows"][0]["peak_rss_mib_per_rank"][0] > 100
     (old,) = r["rows"][0]["old_logp_bytes_per_rank"]
     assert old % (16 * 4) == 0 and 0 < old <= 16 * 32 * 4  # 16 completions x up to 32 tokens, float32
+    assert (tmp_path / "memory.png").stat().st_size > 0
 
 
 @pytest.mark.slow
