@@ -15,8 +15,9 @@ speed-up over a mu = 1 run that never got there is a lower bound, reported as bu
     python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 long_lr1e-3 --variants 1 2 4 8 4+kl2e-3
     python bench/reuse_regimes.py --regimes trl_lr1e-3 --variants 1 2 4 8 4+kl5e-4 4+kl2e-3 --keep
     python bench/reuse_regimes.py --regimes long_g4_lr3e-4 --variants 1 2 4 4+kl5e-4 --keep
+    python bench/reuse_regimes.py --regimes vowel_b16_lr3e-4 --variants 1 4 --keep
 
-(`--keep` adds to the existing result file, replacing only the regimes it runs; about 70 minutes in all.)
+(`--keep` adds to the existing result file, replacing only the regimes it runs; about 95 minutes in all.)
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ from common import (QUICKSTART, REPO, RESULTS, machine, per_generation, read_met
 
 FRACTIONS = (0.5, 0.8, 0.9)
 SMOOTH = 4
-TINY = ["--model_name_or_path", "builtin:tiny-qwen2-h64", "--loss_type", "dapo", "--num_generations", "8",
-        "--reward_funcs", json.dumps([{"func": "length", "kwargs": {"target_chars": 60}}])]
+H64 = ["--model_name_or_path", "builtin:tiny-qwen2-h64", "--loss_type", "dapo"]
+TINY = [*H64, "--num_generations", "8", "--reward_funcs", json.dumps([{"func": "length", "kwargs": {"target_chars": 60}}])]
 # The regime TRL 1.16 was measured in (issue #8): 8 completions per prompt, 32 per optimizer step, 64 new
 # tokens, lr 1e-3; then the same at lower learning rates; then long completions and small steps, where
 # generation is most of a mu = 1 step.
@@ -46,6 +47,11 @@ LONG = [*TINY, "--max_completion_length", "256", "--per_device_train_batch_size"
         "--gradient_accumulation_steps", "1"]
 # Fewer completions per step shrink the training side only: decoding a small batch costs about the same.
 LONG_G4 = [*LONG, "--num_generations", "4", "--per_device_train_batch_size", "4"]
+# A length-neutral reward (bench/regime_rewards.py): completions stay long, so generation's share stays put
+# (the length reward shortens them as it learns); 16 completions per step keep each rollout's gradient
+# accurate enough for replays to be worth about a fresh step.
+VOWEL = [*H64, "--reward_funcs", json.dumps(["bench/regime_rewards.py:vowel_share"]), "--num_generations", "4",
+         "--max_completion_length", "256", "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"]
 REGIMES = {
     "trl_lr1e-3": {"args": [*SHORT, "--learning_rate", "1e-3"], "budget_s": 45,
                    "about": "TRL-measured regime: 64 new tokens, 32 completions/step, lr 1e-3"},
@@ -57,6 +63,9 @@ REGIMES = {
                     "about": "long completions: 256 new tokens, 8 completions/step, lr 1e-3"},
     "long_g4_lr3e-4": {"args": [*LONG_G4, "--learning_rate", "3e-4"], "budget_s": 150,
                        "about": "generation-dominated: 256 new tokens, G = 4 and 4 completions/step, lr 3e-4"},
+    "vowel_b16_lr3e-4": {"args": [*VOWEL, "--learning_rate", "3e-4"], "budget_s": 420,
+                         "about": "generation-dominated, length-neutral reward (vowel share): 256 new tokens, G = 4, "
+                                  "16 completions/step, lr 3e-4"},
 }
 VARIANTS = {
     "1": ["--num_iterations", "1"],

@@ -51,6 +51,13 @@ def test_lora_memory_smoke(tmp_path):
     assert json.loads((tmp_path / "lora_memory.json").read_text())
 
 
+def test_vowel_share_reward_loads_as_a_file_spec():
+    from recipe.rewards import load_reward_funcs
+
+    (fn,) = load_reward_funcs([f"{REPO / 'bench' / 'regime_rewards.py'}:vowel_share"])
+    assert fn.fn(["p"] * 4, ["aeb", "", "xyz", "Oui!"]) == [2 / 3, 0.0, 0.0, 2 / 4]  # capitals are not counted
+
+
 @pytest.mark.slow
 def test_reuse_regimes_smoke(tmp_path):
     bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "4+kl5e-4", "--seeds", "0",

@@ -1,0 +1,12 @@
+"""Rewards for the reuse benchmarks' generation-dominated regime.
+
+The length reward shortens completions as it learns, so generation's share of a step falls during the run
+and reuse loses its reason mid-run. This one is length-neutral: a completion's share of characters that
+are vowels. Completions stay as long as the random model makes them, so the generation share stays put.
+"""
+from __future__ import annotations
+
+
+def vowel_share(prompts, completions, **_) -> list[float]:
+    """Fraction of the completion's characters in 'aeiou' (0.0 for an empty completion)."""
+    return [sum(ch in "aeiou" for ch in c) / len(c) if c else 0.0 for c in completions]
