@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,7 +64,8 @@ REGIMES = {
                     "about": "long completions: 256 new tokens, 8 completions/step, lr 1e-3"},
     "long_g4_lr3e-4": {"args": [*LONG_G4, "--learning_rate", "3e-4"], "budget_s": 150,
                        "about": "generation-dominated: 256 new tokens, G = 4 and 4 completions/step, lr 3e-4"},
-    "vowel_b16_lr3e-4": {"args": [*VOWEL, "--learning_rate", "3e-4"], "budget_s": 420,
+    # stop_at: a run ends early once its moving average reaches the reward's ceiling (vowel share <= 1)
+    "vowel_b16_lr3e-4": {"args": [*VOWEL, "--learning_rate", "3e-4"], "budget_s": 840, "stop_at": 0.99,
                          "about": "generation-dominated, length-neutral reward (vowel share): 256 new tokens, G = 4, "
                                   "16 completions/step, lr 3e-4"},
 }
@@ -87,18 +89,19 @@ def run(regime: str, variant: str, seed: int, root: Path) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                TOKENIZERS_PARALLELISM="false")
     out.mkdir(parents=True, exist_ok=True)
-    budget = REGIMES[regime]["budget_s"]
+    budget, stop_at = REGIMES[regime]["budget_s"], REGIMES[regime].get("stop_at")
     (out / "metrics.jsonl").unlink(missing_ok=True)
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             time.sleep(0.5)
-            if trained_seconds(read_metrics(out)) >= budget:
+            recs = read_metrics(out)
+            if trained_seconds(recs) >= budget or at_ceiling(recs, stop_at):
                 proc.kill()
                 proc.wait()
                 break
     recs = read_metrics(out)
-    if not recs or trained_seconds(recs) < budget:
+    if not recs or (trained_seconds(recs) < budget and not at_ceiling(recs, stop_at)):
         raise RuntimeError(f"{regime} mu={variant} seed={seed} stopped early; see {out.with_suffix('.log')}")
     passes = [r["passes_used"] for r in recs if r["step"] == len(recs) or
               recs[r["step"]]["generation"] != r["generation"]]
@@ -111,6 +114,10 @@ def run(regime: str, variant: str, seed: int, root: Path) -> dict:
 
 def trained_seconds(records: list[dict]) -> float:
     return sum(r["step_time_s"] for r in records)
+
+
+def at_ceiling(records: list[dict], stop_at: float | None) -> bool:
+    return stop_at is not None and bool(records) and max(smoothed(per_generation(records), SMOOTH)) >= stop_at
 
 
 def speedup(t1: float | None, tv: float | None, budget: float) -> float | None:
@@ -240,8 +247,8 @@ def plot(regime: str, runs: list[dict], summary: dict, path: Path) -> None:
         ax.axhline(t, ls="--", lw=0.8, color="gray")
     ax.set_xlabel("wall-clock training seconds (start-up excluded)")
     ax.set_ylabel(f"reward ({SMOOTH}-rollout moving average)")
-    ax.set_title(f"{regime}: {summary['about']}\ngeneration share at mu=1: {summary['generation_share_mu1']:.2f}",
-                 fontsize=9)
+    title = textwrap.fill(f"{regime}: {summary['about']}", 100)
+    ax.set_title(f"{title}\ngeneration share at mu=1: {summary['generation_share_mu1']:.2f}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
