@@ -16,8 +16,9 @@ speed-up over a mu = 1 run that never got there is a lower bound, reported as bu
     python bench/reuse_regimes.py --regimes trl_lr1e-3 --variants 1 2 4 8 4+kl5e-4 4+kl2e-3 --keep
     python bench/reuse_regimes.py --regimes long_g4_lr3e-4 --variants 1 2 4 4+kl5e-4 --keep
     python bench/reuse_regimes.py --regimes vowel_b16_lr3e-4 --variants 1 4 --keep
+    python bench/reuse_regimes.py --regimes h128_short_lr3e-4 --variants 1 2 4 4+kl5e-4 --keep
 
-(`--keep` adds to the existing result file, replacing only the regimes it runs; about 95 minutes in all.)
+(`--keep` adds to the existing result file, replacing only the regimes it runs; about 2 hours in all.)
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ REGIMES = {
                     "about": "long completions: 256 new tokens, 8 completions/step, lr 1e-3"},
     "long_g4_lr3e-4": {"args": [*LONG_G4, "--learning_rate", "3e-4"], "budget_s": 150,
                        "about": "generation-dominated: 256 new tokens, G = 4 and 4 completions/step, lr 3e-4"},
+    "h128_short_lr3e-4": {"args": [*SHORT, "--model_name_or_path", "builtin:tiny-qwen2", "--learning_rate", "3e-4"],
+                          "budget_s": 60, "about": "the bigger tiny model (hidden 128) in the short regime, lr 3e-4"},
     # stop_at: a run ends early once its moving average reaches the reward's ceiling (vowel share <= 1)
     "vowel_b16_lr3e-4": {"args": [*VOWEL, "--learning_rate", "3e-4"], "budget_s": 840, "stop_at": 0.99,
                          "about": "generation-dominated, length-neutral reward (vowel share): 256 new tokens, G = 4, "

@@ -11,6 +11,7 @@ $PY reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 long_lr1e-3 --variants 
 $PY reuse_regimes.py --regimes trl_lr1e-3 --variants 1 2 4 8 4+kl5e-4 4+kl2e-3 --keep
 $PY reuse_regimes.py --regimes long_g4_lr3e-4 --variants 1 2 4 4+kl5e-4 --keep
 $PY reuse_regimes.py --regimes vowel_b16_lr3e-4 --variants 1 4 --keep
+$PY reuse_regimes.py --regimes h128_short_lr3e-4 --variants 1 2 4 4+kl5e-4 --keep
 $PY breakdown.py --steps 16
 $PY memory.py --steps 6
 $PY lora_memory.py
