@@ -44,10 +44,31 @@ def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip().endswith("}")]
 
 
+class MetricsTail:
+    """A running run's metrics.jsonl, parsed incrementally: each read() parses only the lines added since."""
+
+    def __init__(self, out_dir: Path):
+        self.path, self.offset, self.records = out_dir / "metrics.jsonl", 0, []
+
+    def read(self) -> list[dict]:
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+            done = data.rfind(b"\n") + 1  # a half-written last line waits for the next read
+            self.records += [json.loads(line) for line in data[:done].splitlines() if line.strip()]
+            self.offset += done
+        return self.records
+
+
+def moving_average(vals: list[float], k: int) -> list[float]:
+    """Mean of each value and the k - 1 before it (fewer at the start)."""
+    return [sum(vals[max(0, i - k + 1):i + 1]) / len(vals[max(0, i - k + 1):i + 1]) for i in range(len(vals))]
+
+
 def smoothed(rows: list[dict], k: int) -> list[float]:
     """Moving average of the rows' rewards over the last k rollouts."""
-    vals = [r["reward"] for r in rows]
-    return [sum(vals[max(0, i - k + 1):i + 1]) / len(vals[max(0, i - k + 1):i + 1]) for i in range(len(vals))]
+    return moving_average([r["reward"] for r in rows], k)
 
 
 def time_to(rows: list[dict], threshold: float, k: int) -> float | None:

@@ -33,8 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import (QUICKSTART, REPO, RESULTS, machine, per_generation, read_metrics, save_json, smoothed,
-                    time_to)
+from common import (QUICKSTART, REPO, RESULTS, MetricsTail, machine, per_generation, read_metrics, save_json,
+                    smoothed, time_to)
 
 FRACTIONS = (0.5, 0.8, 0.9)
 SMOOTH = 4
@@ -94,11 +94,12 @@ def run(regime: str, variant: str, seed: int, root: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     budget, stop_at = REGIMES[regime]["budget_s"], REGIMES[regime].get("stop_at")
     (out / "metrics.jsonl").unlink(missing_ok=True)
+    tail = MetricsTail(out)  # polled while two runs share the cores: parse only what is new
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             time.sleep(0.5)
-            recs = read_metrics(out)
+            recs = tail.read()
             if trained_seconds(recs) >= budget or at_ceiling(recs, stop_at):
                 proc.kill()
                 proc.wait()

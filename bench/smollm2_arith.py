@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import moving_average
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "recipe/configs/smollm2_arith.yaml"
 MODEL = "output/models/smollm2-135m-instruct"
@@ -97,8 +99,7 @@ def plot(records: list[dict], path: Path) -> None:
         ys = [r[key] for r in first]
         ax.plot(xs, ys, ".", alpha=0.35)
         w = 6
-        smooth = [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1]) for i in range(len(ys))]
-        ax.plot(xs, smooth, "-", color=ax.lines[-1].get_color(), label=f"{label} (mean of last {w} rollouts)")
+        ax.plot(xs, moving_average(ys, w), "-", color=ax.lines[-1].get_color(), label=f"{label} (mean of last {w} rollouts)")
     ax.set_xlabel("rollout (2 optimizer steps each, mu = 2)")
     ax.set_ylabel("mean reward of the rollout's 32 samples")
     ax.set_title("SmolLM2-135M-Instruct, GRPO on two-digit addition (2 CPU ranks, ZeRO-3)")

@@ -51,6 +51,19 @@ def test_lora_memory_smoke(tmp_path):
     assert json.loads((tmp_path / "lora_memory.json").read_text())
 
 
+def test_metrics_tail_parses_only_complete_new_lines(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from common import MetricsTail, read_metrics
+
+    tail, path = MetricsTail(tmp_path), tmp_path / "metrics.jsonl"
+    assert tail.read() == []  # no file yet
+    path.write_text('{"step": 1}\n{"step": 2}\n{"ste')  # a run mid-write
+    assert [r["step"] for r in tail.read()] == [1, 2]
+    with open(path, "a") as f:
+        f.write('p": 3}\n')
+    assert tail.read() == read_metrics(tmp_path) == [{"step": 1}, {"step": 2}, {"step": 3}]
+
+
 def test_vowel_share_reward_loads_as_a_file_spec():
     from recipe.rewards import load_reward_funcs
 
