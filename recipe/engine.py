@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 from pathlib import Path
 
 import torch
@@ -33,9 +32,9 @@ def init_distributed() -> tuple[int, int]:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # DeepSpeed JIT-builds ops (on CPU: its shm comm op) into TORCH_EXTENSIONS_DIR. One folder per environment:
-    # a shared ~/.cache folder is rebuilt whenever another venv's build differs, and waits on each other's locks.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+        from recipe.buildlock import load_comm_op
+
+        load_comm_op()  # built once per environment under a lock that cannot go stale
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                auto_mpi_discovery=False)
     if torch.cuda.is_available():

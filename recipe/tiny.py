@@ -58,20 +58,70 @@ def build_model(tokenizer, seed: int = 0, shape: tuple = BUILTIN_MODELS["builtin
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def missing_files(folder: Path) -> list[str]:
+    """What a usable model folder lacks: a parseable config, readable weights, the tokenizer files."""
+    import json
+
+    from safetensors import safe_open
+
+    missing = []
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        missing.append("config.json")
+    try:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            if not list(f.keys()):
+                missing.append("model.safetensors (empty)")
+    except Exception:  # safetensors raises its own error types for a torn or foreign file
+        missing.append("model.safetensors")
+    missing += [n for n in ("tokenizer.json", "tokenizer_config.json") if not (folder / n).is_file()]
+    return missing
+
+
+def save_model(model, folder: Path) -> None:
+    """Config and weights written by this process whatever its rank (transformers' save_pretrained writes
+    them only on rank 0 once a process group exists; the tokenizer it writes everywhere)."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    state, seen = {}, set()
+    for key, tensor in model.state_dict().items():  # a tied weight under its first name (the embeddings), as
+        if tensor.data_ptr() not in seen:           # transformers and vLLM expect it
+            seen.add(tensor.data_ptr())
+            state[key] = tensor.contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def ensure_builtin(name: str) -> Path:
-    """The cached folder for a built-in model, built once (atomically: temp folder, then rename)."""
+    """The cached folder for a built-in model, built once per machine.
+
+    One process builds (under an OS lock that dies with it), the others wait and reuse the result. A folder is
+    used only when complete (config, weights, tokenizer); an incomplete one, e.g. from an older recipe or an
+    interrupted build, is rebuilt. The build goes to a temporary folder renamed into place when complete.
+    """
+    from recipe.buildlock import exclusive, say
+
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}")
     target = cache_root() / f"{name.split(':', 1)[1]}-{VERSION}"
-    if (target / "config.json").is_file():
+    if not missing_files(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    tok = build_tokenizer()
-    build_model(tok, shape=BUILTIN_MODELS[name]).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    try:
+    with exclusive(target.with_name(target.name + ".lock"), f"the build of {name} in {target}"):
+        missing = missing_files(target)
+        if not missing:
+            return target  # another process built it while we waited
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+        tok = build_tokenizer()
+        save_model(build_model(tok, shape=BUILTIN_MODELS[name]), tmp)
+        tok.save_pretrained(tmp)
+        if missing_files(tmp):
+            raise RuntimeError(f"building {name} in {tmp} left out {', '.join(missing_files(tmp))}")
+        if target.exists():
+            say(f"rebuilding {target}: it lacks {', '.join(missing)}")
+            stale = target.with_name(f"{target.name}.stale-{os.getpid()}")
+            os.rename(target, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         os.rename(tmp, target)
-    except OSError:  # another rank won the race with identical content
-        shutil.rmtree(tmp, ignore_errors=True)
     return target

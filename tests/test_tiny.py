@@ -31,3 +31,46 @@ def test_each_builtin_has_its_shape_and_vllm_compatible_heads(cache):
 def test_unknown_builtin_is_refused():
     with pytest.raises(ValueError, match="unknown built-in"):
         tiny.ensure_builtin("builtin:tiny-huge")
+
+
+def test_incomplete_cache_folder_is_rebuilt_complete(cache, capfd):
+    # What a 2-rank race used to leave: rank 1's folder, with only the tokenizer files (no config, no weights).
+    target = cache / f"tiny-qwen2-{tiny.VERSION}"
+    tiny.build_tokenizer().save_pretrained(target)
+    assert tiny.missing_files(target) == ["config.json", "model.safetensors"]
+    assert tiny.ensure_builtin("builtin:tiny-qwen2") == target
+    assert tiny.missing_files(target) == []
+    assert "lacks config.json, model.safetensors" in capfd.readouterr().err
+    (target / "model.safetensors").write_bytes(b"\0" * 64)  # torn weights
+    tiny.ensure_builtin("builtin:tiny-qwen2")
+    assert tiny.missing_files(target) == []
+
+
+def test_saved_weights_load_back_identical_with_tied_head_named_as_embeddings(cache):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny.ensure_builtin("builtin:tiny-qwen2")
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys  # as vLLM's loader expects
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    built = tiny.build_model(tiny.build_tokenizer()).state_dict()
+    assert loaded.keys() == built.keys() and all(torch.equal(loaded[k], built[k]) for k in built)
+
+
+@pytest.mark.parametrize("start", ["empty", "incomplete"])
+def test_two_rank_run_from_an_empty_or_incomplete_cache(tmp_path, start):
+    from conftest import read_jsonl, torchrun
+
+    cache = tmp_path / "cache"
+    if start == "incomplete":
+        tiny.build_tokenizer().save_pretrained(cache / f"tiny-qwen2-{tiny.VERSION}")
+    out = tmp_path / "out"
+    proc = torchrun(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "2",
+                        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+                        "--disable_tqdm", "true", "--output_dir", str(out)], GRPO_RECIPE_CACHE=cache)
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert tiny.missing_files(cache / f"tiny-qwen2-{tiny.VERSION}") == []
+    assert ("lacks config.json" in proc.stderr) == (start == "incomplete")

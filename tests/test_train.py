@@ -66,9 +66,10 @@ def test_bad_reward_stops_every_rank_with_its_name(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_end_to_end_reward_rises(tmp_path):
-    out = tmp_path / "qs"
-    proc = subprocess.run(["bash", "launch/local.sh", "--config", QUICKSTART, "--output_dir", str(out),
-                           "--disable_tqdm", "true"], cwd=REPO, env=cpu_env(VENV_PY=sys.executable),
+    """The README's first command, as on a fresh machine: an empty model cache (CI keeps ~/.cache)."""
+    out, cache = tmp_path / "qs", tmp_path / "empty-cache"
+    proc = subprocess.run(["bash", "launch/quickstart.sh", "--output_dir", str(out), "--disable_tqdm", "true"],
+                          cwd=REPO, env=cpu_env(VENV_PY=sys.executable, GRPO_RECIPE_CACHE=cache),
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
