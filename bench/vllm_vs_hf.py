@@ -14,6 +14,7 @@ Writes the JSON on rank 0 and prints it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -51,11 +52,12 @@ def main() -> None:
     from recipe.generation.hf import HFGenerator
     from recipe.loss import group_advantages
     from recipe.rewards import score
-    from recipe.update import normalizers, train_step
+    from recipe.update import train_on_rollout
 
     cfg = load_config(["--config", args.config, *overrides, "--generation_backend", "vllm",
                        "--output_dir", "/tmp/bench_vllm_vs_hf"])
     c = train.setup(cfg)  # engine, prompt stream and the vLLM generator, exactly as the recipe builds them
+    one_step = dataclasses.replace(cfg, num_iterations=1)  # the first optimizer step of each rollout only
     backends = {"hf": HFGenerator(cfg, c.engine, c.tokenizer), "vllm": c.generator}
     totals = {name: {"tokens": 0.0, "seconds": 0.0, "sequences": 0.0} for name in backends}
     sync_s = []
@@ -74,8 +76,7 @@ def main() -> None:
         rewards, _ = score(c.rewards, rows.prompts, comp.texts, rows.columns)
         buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, group_advantages(rewards, cfg.num_generations),
                                   comp.mask, c.tokenizer.pad_token_id, order_seed=r, sampling_logps=comp.logps)
-        step = buf.schedule(0, cfg.steps_per_generation, cfg.per_device_train_batch_size)[0]
-        train_step(c.engine, None, buf, step, normalizers(buf, cfg, c.world)[0, 0].item(), cfg, capture_old_logps=False)
+        next(train_on_rollout(c.engine, None, buf, one_step))
         dist.barrier()
         _, dt = timed(lambda: c.generator.sync(c.engine))
         if r > 0:

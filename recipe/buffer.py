@@ -63,12 +63,9 @@ class RolloutBuffer:
         per_step = len(self) // steps
         return [list(order[s * per_step:(s + 1) * per_step].split(micro_batch_size)) for s in range(steps)]
 
-    def optimizer_steps(self, passes: int, steps: int, micro_batch_size: int, after: tuple[int, int] | None = None):
-        """(pass, step, micro-batch indices) for every optimizer step fed by this rollout, after `after` if given."""
-        for p in range(passes):
-            for s, micro_batches in enumerate(self.schedule(p, steps, micro_batch_size)):
-                if after is None or (p, s) > tuple(after):
-                    yield p, s, micro_batches
+    def plan(self, passes: int, steps: int, micro_batch_size: int) -> list[list[list[torch.Tensor]]]:
+        """The whole replay schedule: sample indices per [pass][optimizer step][micro-batch]."""
+        return [self.schedule(p, steps, micro_batch_size) for p in range(passes)]
 
     def micro_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
@@ -80,12 +77,12 @@ class RolloutBuffer:
         self.old_logps[idx] = logps.detach().float().cpu()
         self.has_old_logps[idx] = True
 
-    def token_counts(self, passes: int, steps: int, micro_batch_size: int) -> torch.Tensor:
-        """Active completion tokens on this rank per [pass, optimizer step] (for token-level losses)."""
-        counts = torch.zeros(passes, steps)
-        for p in range(passes):
-            for s, mbs in enumerate(self.schedule(p, steps, micro_batch_size)):
-                counts[p, s] = sum(self.completion_mask[i].sum() for i in mbs)
+    def token_counts(self, plan: list[list[list[torch.Tensor]]]) -> torch.Tensor:
+        """Active completion tokens on this rank per [pass, optimizer step] of `plan` (for token-level losses)."""
+        counts = torch.zeros(len(plan), len(plan[0]))
+        for p, steps in enumerate(plan):
+            for s, micro_batches in enumerate(steps):
+                counts[p, s] = sum(self.completion_mask[i].sum() for i in micro_batches)
         return counts
 
     # --- checkpointing ----------------------------------------------------------------

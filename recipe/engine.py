@@ -42,6 +42,20 @@ def init_distributed() -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+def all_reduce_named(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Named per-rank tensors (one dtype and device) summed over all ranks in ONE all-reduce: stacked in the
+    dict's order, split back by name. A world of one skips the collective."""
+    if torch.distributed.get_world_size() == 1:
+        return values
+    flat = torch.cat([v.reshape(-1) for v in values.values()])
+    torch.distributed.all_reduce(flat)
+    out, start = {}, 0
+    for name, v in values.items():
+        out[name] = flat[start:start + v.numel()].reshape(v.shape)
+        start += v.numel()
+    return out
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

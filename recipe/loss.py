@@ -1,15 +1,16 @@
 """GRPO loss math as pure functions of tensors (no DeepSpeed, no config objects).
 
 Normalization contract (what makes a rollout's update independent of how it is split):
-`reduce_loss` returns sum(units in this micro-batch) / normalizer, and the caller picks `normalizer`
+`reduce_loss` returns sum(units in this micro-batch) / normalizer, with `normalizer` from `loss_normalizers`
 = (units in the whole optimizer step, all ranks) / world_size. DeepSpeed then sums micro-batches
 (backward with scale_wrt_gas=False) and averages ranks, which gives sum(all units) / all units.
+This module is the one place that knows each loss type's unit and denominator.
 """
 from __future__ import annotations
 
 import torch
 
-SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # normalized by sequences; bnpo and dapo by tokens
+SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # a unit is a sequence; bnpo and dapo count tokens
 
 
 def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -69,6 +70,25 @@ def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, nor
     else:
         raise ValueError(f"loss_type: unknown {loss_type!r}")
     return units.sum() / normalizer
+
+
+def loss_normalizers(loss_type: str, step_tokens: torch.Tensor, step_sequences: int,
+                     world_size: int) -> torch.Tensor:
+    """Per [pass, optimizer step]: `reduce_loss`'s normalizer, units in the whole step over all ranks / world_size.
+
+    `step_tokens` [passes, steps]: active completion tokens of each step, summed over all ranks (known at
+    rollout time); `step_sequences`: sequences per step on each rank (the same on every rank).
+    grpo, dr_grpo: the step's sequences; bnpo: the step's tokens; dapo: the rollout's mean tokens per step,
+    the same for every step of a pass.
+    """
+    passes, steps = step_tokens.shape
+    if loss_type in SEQUENCE_LOSSES:
+        return torch.full((passes, steps), float(step_sequences))  # (sequences x world) / world
+    if loss_type == "dapo":
+        step_tokens = step_tokens.sum(dim=1, keepdim=True).expand(passes, steps) / steps
+    elif loss_type != "bnpo":
+        raise ValueError(f"loss_type: unknown {loss_type!r}")
+    return step_tokens.clamp(min=1.0) / world_size
 
 
 def clip_counts(coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

@@ -28,7 +28,7 @@ from recipe.loss import group_advantages
 from recipe.metrics import MetricsLogger, Timer, read_metrics, reward_quarters
 from recipe.reuse import ReuseController
 from recipe.rewards import RewardError, load_reward_funcs, score
-from recipe.update import compute_old_logps, normalizers, train_step
+from recipe.update import train_on_rollout
 
 
 def setup(cfg: Config) -> SimpleNamespace:
@@ -78,9 +78,8 @@ def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_pro
     return out
 
 
-def collect_rollout(c: SimpleNamespace, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict, int]:
-    """Generate this rank's groups, score them, and fill the rank-local buffer with advantages and the old
-    log-probs the first pass cannot capture itself. Returns (buffer, rollout stats, old log-prob forwards)."""
+def collect_rollout(c: SimpleNamespace, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict]:
+    """Generate this rank's groups, score them, and fill the rank-local buffer with their advantages."""
     cfg, G = c.cfg, c.cfg.num_generations
     batch = c.stream.batch(rollout)
     with timer("generate"):
@@ -99,9 +98,7 @@ def collect_rollout(c: SimpleNamespace, rollout: int, timer: Timer) -> tuple[Rol
     mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
     buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, c.tokenizer.pad_token_id,
                               order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps)
-    with timer("old_logp"):
-        forwards = compute_old_logps(c.engine, buf, cfg)
-    return buf, stats, forwards
+    return buf, stats
 
 
 def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], bool]:
@@ -122,21 +119,17 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
     for rollout in itertools.count(r.get("rollout", 0)):
         if "buffer" in r:  # resuming inside this rollout: same samples, same old log-probs
             buf, stats = RolloutBuffer.from_state_dict(r.pop("buffer")), r.pop("stats")
-        else:  # generate, score, advantages, old log-probs
-            buf, stats, forwards = collect_rollout(c, rollout, timer)
+        else:  # generate, score, advantages
+            buf, stats = collect_rollout(c, rollout, timer)
             prompts_truncated += stats.pop("prompts_truncated")
-            old_logp_forwards += forwards
-        norms = normalizers(buf, cfg, c.world)
         # mu passes over the rollout, each split into steps_per_generation optimizer steps
         last_step = (cfg.num_iterations - 1, cfg.steps_per_generation - 1)
-        for it, s, micro_batches in buf.optimizer_steps(cfg.num_iterations, cfg.steps_per_generation,
-                                                        cfg.per_device_train_batch_size, after=position):
-            with timer("train"):
-                out = train_step(c.engine, c.ref, buf, micro_batches, norms[it, s].item(), cfg,
-                                 capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0)
+        for done_step in train_on_rollout(c.engine, c.ref, buf, cfg, after=position, timer=timer):
+            it, s, out = done_step.pass_index, done_step.step_index, done_step.stats
+            old_logp_forwards += done_step.old_logp_forwards
             reuse.observe(out)
             # adaptive reuse: after a finished pass, maybe skip the rest of this rollout
-            skip_rest = reuse.enabled and s == cfg.steps_per_generation - 1 and reuse.pass_done()
+            skip_rest = reuse.enabled and done_step.last_in_pass and reuse.pass_done()
             step, now = step + 1, time.perf_counter()
             record = {"step": step, "generation": rollout, "iteration": it, "passes_used": it + 1, **out, **stats,
                       "prompts_truncated": prompts_truncated, "old_logp_forwards": old_logp_forwards,

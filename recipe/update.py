@@ -1,13 +1,33 @@
-"""Policy forwards and one gradient-accumulated optimizer step over micro-batches of a rollout."""
+"""The rollout-update protocol, owned by `train_on_rollout`: old log-probs, loss normalizers, and mu passes x
+steps_per_generation gradient-accumulated optimizer steps. The loop, the tests' workers and the benchmarks
+all train through it.
+"""
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
-from recipe.engine import device
-from recipe.loss import SEQUENCE_LOSSES, policy_loss, token_logps, truncated_is_weights
+from recipe.engine import all_reduce_named, device
+from recipe.loss import loss_normalizers, policy_loss, token_logps, truncated_is_weights
+from recipe.metrics import Timer
+
+# per-rank sums of one optimizer step, all-reduced together (this order is the all-reduce's layout)
+STEP_SUMS = ("loss", "clip_low", "clip_high", "clip_region", "tokens", "kl", "ratio", "approx_kl", "is_ratio")
+
+
+@dataclass
+class StepResult:
+    """One optimizer step of a rollout's update."""
+    pass_index: int  # which pass over the rollout (0 .. num_iterations - 1)
+    step_index: int  # which optimizer step of that pass (0 .. steps_per_generation - 1)
+    last_in_pass: bool
+    stats: dict  # over all ranks: loss, clip ratios, ratio_mean, approx_kl, train_tokens, [kl, is_ratio_*, grad_norm]
+    old_logp_forwards: int  # no-grad micro-batch forwards spent on old log-probs just before this step
 
 
 def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
@@ -27,53 +47,64 @@ def _to_device(mb: dict) -> dict:
     return {k: v.to(dev) for k, v in mb.items()}
 
 
-@torch.no_grad()
-def compute_old_logps(engine, buf: RolloutBuffer, cfg: Config) -> int:
-    """No-grad forwards for the samples whose old log-probs cannot be captured for free.
+def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[int, int] | None = None,
+                     timer: Timer | None = None) -> Iterator[StepResult]:
+    """Every optimizer step this rollout feeds: mu passes, each split into steps_per_generation steps.
 
-    Those are the samples of the first pass's later optimizer steps (steps_per_generation > 1): by then the
-    policy has moved. Returns the number of micro-batch forwards spent.
+    A fresh rollout (`after` None) first gets the old log-probs that its first pass cannot capture for itself
+    (see buffer.py); `after` = (pass, step) of the last step done resumes a rollout mid-cycle, whose buffer
+    already holds them. A caller that stops iterating (adaptive reuse) skips the remaining steps. Timer names:
+    old_logp, train, and inside train: forward, backward, optimizer.
     """
-    steps = buf.schedule(0, cfg.steps_per_generation, cfg.per_device_train_batch_size)
+    timer = timer or Timer()
+    plan = buf.plan(cfg.num_iterations, cfg.steps_per_generation, cfg.per_device_train_batch_size)
     forwards = 0
-    for mbs in steps[1:]:
-        for idx in mbs:
-            mb = _to_device(buf.micro_batch(idx))
-            logp = forward_logps(engine, mb["input_ids"], mb["attention_mask"], mb["completion_mask"].shape[1],
-                                 cfg.temperature)
-            buf.store_old_logps(idx, logp)
-            forwards += 1
-    return forwards
+    if after is None:
+        with timer("old_logp"):
+            forwards = compute_old_logps(engine, buf, [idx for step in plan[0][1:] for idx in step], cfg.temperature)
+    norms = normalizers(buf, plan, cfg)
+    for p, steps in enumerate(plan):
+        for s, micro_batches in enumerate(steps):
+            if after is not None and (p, s) <= tuple(after):
+                continue
+            with timer("train"):
+                # Samples of the first step of the first pass see the policy that sampled them: their old
+                # log-probs are that step's own forward, captured for the later passes.
+                stats = optimizer_step(engine, ref, buf, micro_batches, norms[p, s].item(), cfg,
+                                       capture_old_logps=cfg.needs_old_logps and (p, s) == (0, 0), timer=timer)
+            yield StepResult(p, s, s == len(steps) - 1, stats, forwards)
+            forwards = 0
 
 
-def normalizers(buf: RolloutBuffer, cfg: Config, world_size: int) -> torch.Tensor:
-    """Per [pass, step]: the loss normalizer (units in the whole step over all ranks / world size).
-
-    Token-level losses need the global token count, known at rollout time: one all-reduce per rollout.
-    """
-    passes, steps, mbs = cfg.num_iterations, cfg.steps_per_generation, cfg.per_device_train_batch_size
-    if cfg.loss_type in SEQUENCE_LOSSES:
-        return torch.full((passes, steps), float(mbs * cfg.gradient_accumulation_steps))
-    counts = buf.token_counts(passes, steps, mbs).to(device())
-    if world_size > 1:
-        dist.all_reduce(counts)
-    counts = counts.cpu()
-    if cfg.loss_type == "dapo":  # the rollout's mean tokens per step, the same for every step
-        counts = counts.sum(dim=1, keepdim=True).expand(passes, steps) / steps
-    return counts.clamp(min=1.0) / world_size
+@torch.no_grad()
+def compute_old_logps(engine, buf: RolloutBuffer, micro_batches: list[torch.Tensor], temperature: float) -> int:
+    """No-grad forwards for samples whose old log-probs cannot be captured for free: those of the first pass's
+    later optimizer steps (steps_per_generation > 1), by which time the policy has moved. Returns the forwards."""
+    for idx in micro_batches:
+        mb = _to_device(buf.micro_batch(idx))
+        logp = forward_logps(engine, mb["input_ids"], mb["attention_mask"], mb["completion_mask"].shape[1], temperature)
+        buf.store_old_logps(idx, logp)
+    return len(micro_batches)
 
 
-def train_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizer: float,
-               cfg: Config, capture_old_logps: bool) -> dict:
+def normalizers(buf: RolloutBuffer, plan: list, cfg: Config) -> torch.Tensor:
+    """Per [pass, step]: the loss normalizer. The global token counts are known at rollout time: one all-reduce."""
+    counts = all_reduce_named({"tokens": buf.token_counts(plan).to(device())})["tokens"].cpu()
+    sequences = len(buf) // cfg.steps_per_generation
+    return loss_normalizers(cfg.loss_type, counts, sequences, dist.get_world_size())
+
+
+def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizer: float,
+                   cfg: Config, capture_old_logps: bool, timer: Timer) -> dict:
     """Backward over each micro-batch, then one optimizer step. Returns step statistics over all ranks."""
-    # loss, clip low/high/region/tokens, kl sum, ratio sum, approx-kl sum, IS ratio sum
-    acc = torch.zeros(9, device=device())
+    sums = {name: torch.zeros((), device=device()) for name in STEP_SUMS}
     is_max = torch.zeros(1, device=device())
     cap = cfg.vllm_importance_sampling_cap
     for idx in micro_batches:
         mb = _to_device(buf.micro_batch(idx))
         mask, c_len = mb["completion_mask"], mb["completion_mask"].shape[1]
-        logp = forward_logps(engine, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature)
+        with timer("forward"):
+            logp = forward_logps(engine, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature)
         # Samples the policy has not been updated on yet: their old log-probs are this very forward.
         fresh = ~mb["has_old_logps"]
         old = torch.where(fresh.unsqueeze(-1), logp.detach(), mb["old_logps"])
@@ -86,33 +117,37 @@ def train_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor
         is_weights = None
         if cap is not None:  # the sampler's drift from the old policy, corrected per token
             is_weights, is_ratio = truncated_is_weights(old, mb["sampling_logps"], mask, cap)
-            acc[8] += (is_ratio * mask).sum()
+            sums["is_ratio"] += (is_ratio * mask).sum()
             is_max = torch.maximum(is_max, (is_ratio * mask).max().reshape(1))
         loss, stats = policy_loss(logp, old, mb["advantages"], mask, loss_type=cfg.loss_type,
                                   eps_low=cfg.epsilon, eps_high=cfg.eps_high, normalizer=normalizer,
                                   max_completion_length=cfg.max_completion_length, beta=cfg.beta,
                                   ref_logp=ref_logp, is_weights=is_weights)
-        engine.backward(loss, scale_wrt_gas=False)  # the normalizer already accounts for accumulation
-        engine.step()
-        acc[0] += loss.detach()
-        acc[1:5] += stats["clip_counts"]
-        acc[5] += stats.get("kl_sum", 0.0)
-        acc[6] += stats["ratio_sum"]
-        acc[7] += stats["approx_kl_sum"]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(acc)
-        if cap is not None:
-            dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    tokens = acc[4].clamp(min=1.0)
-    out = {"loss": (acc[0] / world).item(), "clip_ratio_low": (acc[1] / tokens).item(),
-           "clip_ratio_high": (acc[2] / tokens).item(), "clip_ratio_region": (acc[3] / tokens).item(),
-           "ratio_mean": (acc[6] / tokens).item(), "approx_kl": (acc[7] / tokens).item(),
-           "train_tokens": int(acc[4].item())}
+        with timer("backward"):
+            engine.backward(loss, scale_wrt_gas=False)  # the normalizer already accounts for accumulation
+        with timer("optimizer"):
+            engine.step()  # DeepSpeed steps at the accumulation boundary only
+        sums["loss"] += loss.detach()
+        for name, count in zip(("clip_low", "clip_high", "clip_region", "tokens"), stats["clip_counts"]):
+            sums[name] += count
+        if "kl_sum" in stats:
+            sums["kl"] += stats["kl_sum"]
+        sums["ratio"] += stats["ratio_sum"]
+        sums["approx_kl"] += stats["approx_kl_sum"]
+    sums = all_reduce_named(sums)
+    if cap is not None and dist.get_world_size() > 1:
+        dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
+    world = dist.get_world_size()
+    tokens = sums["tokens"].clamp(min=1.0)
+    out = {"loss": (sums["loss"] / world).item(), "clip_ratio_low": (sums["clip_low"] / tokens).item(),
+           "clip_ratio_high": (sums["clip_high"] / tokens).item(),
+           "clip_ratio_region": (sums["clip_region"] / tokens).item(),
+           "ratio_mean": (sums["ratio"] / tokens).item(), "approx_kl": (sums["approx_kl"] / tokens).item(),
+           "train_tokens": int(sums["tokens"].item())}
     if cfg.beta > 0.0:
-        out["kl"] = (acc[5] / tokens).item()
+        out["kl"] = (sums["kl"] / tokens).item()
     if cap is not None:  # before the cap: how far the sampler drifted from the trainer
-        out["is_ratio_mean"], out["is_ratio_max"] = (acc[8] / tokens).item(), is_max.item()
+        out["is_ratio_mean"], out["is_ratio_max"] = (sums["is_ratio"] / tokens).item(), is_max.item()
     grad_norm = engine.get_global_grad_norm()
     if grad_norm is not None:
         out["grad_norm"] = float(grad_norm)

@@ -2,9 +2,9 @@
 
     torchrun --nproc_per_node N tests/dist_update.py OUT.pt '[{"name": ..., <Config overrides>}, ...]'
 
-For each case: fresh engine from the tiny model, this rank's shard of a fixed global rollout, old
-log-probs, normalizers, mu passes of train_step -- exactly what recipe.train does -- then rank 0 saves
-the gathered weights and counters.
+For each case: fresh engine from the tiny model, this rank's shard of a fixed global rollout, and the
+recipe's own `train_on_rollout` over it (old log-probs, normalizers, mu passes) -- then rank 0 saves the
+gathered weights and counters.
 """
 import json
 import sys
@@ -14,7 +14,7 @@ import torch
 from recipe import engine as eng
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
-from recipe.update import compute_old_logps, normalizers, train_step
+from recipe.update import train_on_rollout
 
 # adam_epsilon 1e-6: Adam turns float noise in near-zero gradients (e.g. the attention key bias, whose exact
 # gradient is 0) into lr-sized steps of random sign; a larger eps keeps the comparison about the update itself.
@@ -52,9 +52,8 @@ def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0) -> Rollout
 
 
 def run_case(cfg: Config, rank: int, world: int):
-    """Fresh engine, this rank's shard of the fixed rollout, old log-probs, normalizers, mu passes of
-    train_step. Returns the engine, the reference, the buffer, the old-log-prob forwards, store counts and
-    each step's statistics."""
+    """Fresh engine, this rank's shard of the fixed rollout, `train_on_rollout` over it. Returns the engine,
+    the reference, the buffer, the old-log-prob forwards, store counts and each step's statistics."""
     path = eng.model_path(cfg)
     torch.manual_seed(0)
     engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
@@ -68,14 +67,11 @@ def run_case(cfg: Config, rank: int, world: int):
         original_store(idx, logps)
 
     buf.store_old_logps = counting_store
-    forwards = compute_old_logps(engine, buf, cfg)
-    norms = normalizers(buf, cfg, world)
-    outs = []
-    for it in range(cfg.num_iterations):
-        for s, mbs in enumerate(buf.schedule(it, cfg.steps_per_generation, cfg.per_device_train_batch_size)):
-            outs.append(train_step(engine, ref, buf, mbs, norms[it, s].item(), cfg,
-                                   capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0))
-    return engine, ref, buf, forwards, stores, outs
+    steps = list(train_on_rollout(engine, ref, buf, cfg))
+    assert [(s.pass_index, s.step_index) for s in steps] == [
+        (p, s) for p in range(cfg.num_iterations) for s in range(cfg.steps_per_generation)]
+    forwards = sum(s.old_logp_forwards for s in steps)
+    return engine, ref, buf, forwards, stores, [s.stats for s in steps]
 
 
 def main():

@@ -18,7 +18,7 @@ from recipe import engine as eng
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
 from recipe.generation import build_generator, finish
-from recipe.update import forward_logps, normalizers, train_step
+from recipe.update import forward_logps, train_on_rollout
 
 ROUNDS = 2
 
@@ -70,8 +70,8 @@ def main():
         comp = gen.generate(prompts, seed=100 * r + rank)
         buf = RolloutBuffer.build([p for p in prompts for _ in range(2)], comp.ids, torch.tensor([1.0, -1.0] * 2),
                                   comp.mask, tok.pad_token_id, order_seed=r, sampling_logps=comp.logps)
-        stats = train_step(engine, None, buf, buf.schedule(0, 1, 4)[0], normalizers(buf, cfg, world)[0, 0].item(),
-                           cfg, capture_old_logps=False)
+        (step,) = train_on_rollout(engine, None, buf, cfg)  # mu = 1, one step: the whole rollout
+        stats = step.stats
         trained = hf_greedy(plain_copy(engine, path, cfg), tok, prompts, cfg.max_completion_length)
         stale = engine_greedy(gen, prompts)  # straight to vLLM: generate() would sync a stale engine itself
         chunks[0] = 0

@@ -37,11 +37,15 @@ def test_schedule_covers_every_sample_once_per_pass_and_reshuffles():
     assert buf.schedule(1, 2, 2)[0][0].tolist() == make()[0].schedule(1, 2, 2)[0][0].tolist()  # deterministic
 
 
-def test_token_counts_follow_schedule():
+def test_plan_is_each_pass_schedule_and_token_counts_follow_it():
     buf, _, _ = make()
-    counts = buf.token_counts(passes=2, steps=2, micro_batch_size=2)
+    plan = buf.plan(passes=2, steps=2, micro_batch_size=2)
+    assert [[[i.tolist() for i in step] for step in sched] for sched in plan] == \
+        [[[i.tolist() for i in step] for step in buf.schedule(p, 2, 2)] for p in range(2)]
+    counts = buf.token_counts(plan)
+    assert counts.shape == (2, 2)
     assert counts.sum(dim=1).tolist() == [buf.completion_mask.sum().item()] * 2
-    first = torch.cat(buf.schedule(0, 2, 2)[0])
+    first = torch.cat(plan[0][0])
     assert counts[0, 0].item() == buf.completion_mask[first].sum().item()
 
 

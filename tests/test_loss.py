@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from recipe.loss import (clip_counts, group_advantages, k3_kl, policy_loss, reduce_loss, token_logps,
-                         truncated_is_weights)
+from recipe.loss import (clip_counts, group_advantages, k3_kl, loss_normalizers, policy_loss, reduce_loss,
+                         token_logps, truncated_is_weights)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -186,3 +186,14 @@ def test_policy_loss_with_is_weights_matches_direct_formula(loss_type):
                            w=[[min(math.exp(o - s), 1.2) for o, s in zip(ro.tolist(), rs.tolist())]
                               for ro, rs in zip(old, sampling)])
     assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_loss_normalizers_are_each_loss_types_units_per_step_over_world():
+    """Units in the whole optimizer step over all ranks / world size; dapo: the rollout's mean tokens per step."""
+    tokens = torch.tensor([[30.0, 50.0, 0.0], [40.0, 20.0, 20.0]])  # [pass, step], summed over 2 ranks
+    for lt in ("grpo", "dr_grpo"):
+        assert loss_normalizers(lt, tokens, step_sequences=8, world_size=2).tolist() == [[8.0] * 3] * 2
+    assert loss_normalizers("bnpo", tokens, 8, 2).tolist() == [[15.0, 25.0, 0.5], [20.0, 10.0, 10.0]]
+    assert loss_normalizers("dapo", tokens, 8, 2).flatten().tolist() == pytest.approx([80 / 3 / 2] * 6)
+    with pytest.raises(ValueError, match="loss_type"):
+        loss_normalizers("ppo", tokens, 8, 2)
