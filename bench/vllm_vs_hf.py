@@ -51,11 +51,13 @@ def main() -> None:
     from recipe.config import load_config
     from recipe.generation.hf import HFGenerator
     from recipe.loss import group_advantages
+    from recipe.preflight import preflight
     from recipe.rewards import score
     from recipe.update import train_on_rollout
 
     cfg = load_config(["--config", args.config, *overrides, "--generation_backend", "vllm",
                        "--output_dir", "/tmp/bench_vllm_vs_hf"])
+    preflight(cfg)  # as recipe.train.main: before the process group starts
     c = train.setup(cfg)  # engine, prompt stream and the vLLM generator, exactly as the recipe builds them
     one_step = dataclasses.replace(cfg, num_iterations=1)  # the first optimizer step of each rollout only
     backends = {"hf": HFGenerator(cfg, c.engine, c.tokenizer), "vllm": c.generator}

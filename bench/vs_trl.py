@@ -89,6 +89,7 @@ def trl_version(python: str) -> str:
 
 def recipe_config(args, world_size: int = 2):
     from recipe.config import load_config
+    from recipe.preflight import preflight
 
     argv = ["--config", args.config]
     for kv in args.set:
@@ -96,7 +97,9 @@ def recipe_config(args, world_size: int = 2):
         if not eq:
             sys.exit(f"vs_trl: --set {kv!r}: expected KEY=VALUE")
         argv += [f"--{key}", value]
-    return load_config(argv, world_size=world_size)
+    cfg = load_config(argv, world_size=world_size)
+    preflight(cfg)
+    return cfg
 
 
 def steps_for(steps: int, steps_per_rollout: int) -> int:

@@ -1,7 +1,8 @@
 """The recipe's one config: a dataclass loaded from YAML with `--key value` CLI overrides.
 
-Everything is validated here, before any process group starts, so that a bad value costs
-a one-line message (exit code 2) instead of a crashed multi-node job.
+Every field is checked here, before any process group starts, so that a bad value costs a one-line message
+(exit code 2) instead of a crashed multi-node job. A leaf: it imports nothing from the recipe. The checks that
+ask the environment (files, the built-in model, vLLM, reward imports) are `recipe.preflight`'s.
 """
 from __future__ import annotations
 
@@ -281,41 +282,21 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(not cfg.save_merged or cfg.use_peft,
          "save_merged: needs use_peft: true (without LoRA, OUTPUT_DIR/final already is the full model)")
 
-    ds_path = resolve_path(cfg.deepspeed_config)
-    need(ds_path.is_file(), f"deepspeed_config: file not found: {cfg.deepspeed_config}")
-    if looks_like_file(cfg.dataset_name):
-        need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
-    model = cfg.model_name_or_path
-    if model.startswith("builtin:"):
-        from recipe.tiny import BUILTIN_MODELS
-
-        need(model in BUILTIN_MODELS, f"model_name_or_path: unknown built-in {model!r} (have {', '.join(BUILTIN_MODELS)})")
-    elif model.startswith((".", "/", "~")) or resolve_path(model).exists():
-        need(resolve_path(os.path.expanduser(model)).is_dir(), f"model_name_or_path: folder not found: {model}")
     if cfg.generation_backend == "vllm":
         validate_vllm(cfg, world_size)
     else:
         need(cfg.vllm_importance_sampling_cap is None,
              "vllm_importance_sampling_cap: needs generation_backend: vllm "
              "(the hf backend samples with the trainer's own weights)")
-    # Reward specs are checked here too (imports only, nothing runs) so a typo fails before launch.
-    from recipe.rewards import load_reward_funcs
-
-    load_reward_funcs(cfg.reward_funcs)
 
 
 def validate_vllm(cfg: Config, world_size: int) -> None:
-    """vLLM fields, and whether vLLM can serve this model here (installed, head size), before anything starts."""
-    import torch
-
-    cuda = torch.cuda.is_available()
+    """The vLLM fields (whether vLLM can serve this model here is preflight's question)."""
     tp = cfg.vllm_tensor_parallel_size
     if not 0.0 < cfg.vllm_gpu_memory_utilization <= 1.0:
         raise ConfigError(f"vllm_gpu_memory_utilization: must be in (0, 1], got {cfg.vllm_gpu_memory_utilization}")
     if tp < 1 or world_size % tp:
         raise ConfigError(f"vllm_tensor_parallel_size: must be >= 1 and divide the world size {world_size}, got {tp}")
-    if cfg.vllm_enable_sleep_mode and not cuda:
-        raise ConfigError("vllm_enable_sleep_mode: needs a GPU (vLLM has no sleep mode on CPU)")
     max_len = cfg.vllm_max_model_len
     if max_len is not None and max_len < cfg.max_prompt_length + cfg.max_completion_length:
         raise ConfigError(f"vllm_max_model_len: {max_len} is shorter than max_prompt_length + max_completion_length "
@@ -325,17 +306,3 @@ def validate_vllm(cfg: Config, world_size: int) -> None:
     cap = cfg.vllm_importance_sampling_cap
     if cap is not None and cap < 1.0:
         raise ConfigError(f"vllm_importance_sampling_cap: must be >= 1 (it truncates ratios from above), got {cap}")
-    from recipe.generation.vllm import VLLMUnavailable, check_available
-
-    model = cfg.model_name_or_path
-    if model.startswith("builtin:"):
-        from recipe.tiny import ensure_builtin
-
-        folder = ensure_builtin(model)  # built offline and cached; its name was checked above
-    else:
-        folder = resolve_path(os.path.expanduser(model))
-    config_json = folder / "config.json" if (folder / "config.json").is_file() else None  # hub names: checked at start
-    try:
-        check_available(config_json, cuda)
-    except VLLMUnavailable as e:
-        raise ConfigError(str(e)) from None

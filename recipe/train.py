@@ -26,6 +26,7 @@ from recipe.data import DataError, PromptStream, load_prompt_dataset
 from recipe.generation import build_generator
 from recipe.loss import group_advantages
 from recipe.metrics import MetricsLogger, Timer, read_metrics, reward_quarters
+from recipe.preflight import preflight
 from recipe.reuse import ReuseController
 from recipe.rewards import RewardError, load_reward_funcs, score
 from recipe.update import train_on_rollout
@@ -159,7 +160,8 @@ def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], b
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
-    except (ConfigError, RewardError) as e:
+        preflight(cfg)  # files, the built-in model, vLLM, reward imports: before any process group starts
+    except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:

@@ -1,4 +1,5 @@
-"""Config: YAML + CLI overrides, validation with one-line messages and exit code 2 before any work."""
+"""Config: YAML + CLI overrides, field checks and preflight with one-line messages and exit code 2 before any work;
+config.py a leaf of the recipe's import graph."""
 import subprocess
 import sys
 
@@ -6,6 +7,7 @@ import pytest
 
 from conftest import REPO, cpu_env
 from recipe.config import Config, ConfigError, load_config, parse_cli
+from recipe.preflight import preflight
 
 QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
 
@@ -36,19 +38,39 @@ def test_derived_sizes():
     (["--scale_rewards", "maybe"], "scale_rewards: must be one of"),
     (["--no_such_key", "1"], "unknown config key(s): no_such_key"),
     (["--learning_rate", "abc"], "learning_rate: expected float"),
+    (["--per_device_train_batch_size", "0"], "per_device_train_batch_size: must be >= 1"),
+    (["--use_peft", "true", "--generation_backend", "vllm"], "vllm does not take LoRA weights yet"),
+])
+def test_bad_values_are_named(args, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", QUICKSTART, *args])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("args, message", [
     (["--dataset_name", "missing/prompts.jsonl"], "dataset_name: file not found"),
     (["--deepspeed_config", "nope.json"], "deepspeed_config: file not found"),
     (["--model_name_or_path", "./no/such/model"], "model_name_or_path: folder not found"),
     (["--model_name_or_path", "builtin:huge"], "unknown built-in"),
     (["--reward_funcs", "[nosuchmodule_xyz:fn]"], "cannot import module"),
     (["--reward_funcs", "[length_typo]"], "is not a built-in"),
-    (["--per_device_train_batch_size", "0"], "per_device_train_batch_size: must be >= 1"),
-    (["--use_peft", "true", "--generation_backend", "vllm"], "vllm does not take LoRA weights yet"),
 ])
-def test_bad_values_are_named(args, message):
-    with pytest.raises(Exception) as e:
-        load_config(["--config", QUICKSTART, *args])
+def test_what_the_environment_lacks_is_named_by_preflight(args, message):
+    cfg = load_config(["--config", QUICKSTART, *args])  # the fields themselves are fine
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
     assert message in str(e.value)
+
+
+def test_cli_reports_a_preflight_error_as_a_config_error(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, "--reward_funcs",
+                           "[length_typo]", "--output_dir", str(out)], cwd=REPO, env=cpu_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error: reward_funcs: 'length_typo' is not a built-in")
+    assert not out.exists()
 
 
 def test_missing_config_file_and_bad_cli():

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import read_jsonl, torchrun
 from recipe.config import ConfigError, load_config
+from recipe.preflight import preflight
 from recipe.generation.vllm import CPU_HEAD_SIZES, VLLMUnavailable, check_cpu_head_size
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -35,14 +36,14 @@ def test_config_validation_names_an_unsupported_head_size(tmp_path, tiny_model_d
     conf.update(num_attention_heads=8, num_key_value_heads=2)  # hidden 128 / 8 heads = head size 16
     (tmp_path / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ConfigError, match="does not support head size 16"):
-        load_config(["--generation_backend", "vllm", "--model_name_or_path", str(tmp_path)])
+        preflight(load_config(["--generation_backend", "vllm", "--model_name_or_path", str(tmp_path)]))
 
 
 def test_missing_vllm_is_one_line_config_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(ConfigError, match=r"generation_backend: vllm needs the vllm package \(pip install -e '\.\[vllm"):
-        load_config(["--generation_backend", "vllm"])
+        preflight(load_config(["--generation_backend", "vllm"]))
 
 
 @pytest.mark.parametrize("args, message", [
@@ -50,12 +51,17 @@ def test_missing_vllm_is_one_line_config_error(monkeypatch):
     (["--generation_backend", "vllm", "--vllm_importance_sampling_cap", "0.5"], "must be >= 1"),
     (["--generation_backend", "vllm", "--vllm_max_model_len", "64"], "vllm_max_model_len: 64 is shorter"),
     (["--generation_backend", "vllm", "--vllm_tensor_parallel_size", "3"], "vllm_tensor_parallel_size: must be >= 1 and divide"),
-    (["--generation_backend", "vllm", "--vllm_enable_sleep_mode", "true"], "vllm_enable_sleep_mode: needs a GPU"),
     (["--generation_backend", "vllm", "--vllm_gpu_memory_utilization", "1.5"], "vllm_gpu_memory_utilization: must be in"),
 ])
 def test_bad_vllm_fields_are_named(args, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(args, world_size=2)
+
+
+def test_sleep_mode_without_a_gpu_is_named_by_preflight():
+    cfg = load_config(["--generation_backend", "vllm", "--vllm_enable_sleep_mode", "true"], world_size=2)
+    with pytest.raises(ConfigError, match=r"vllm_enable_sleep_mode: needs a GPU \(vLLM has no sleep mode on CPU\)"):
+        preflight(cfg)
 
 
 @needs_vllm

@@ -5,7 +5,7 @@ import torch
 from conftest import REPO, read_jsonl, torchrun
 from dist_lora import CASE, PROBE, PROMPTS
 from dist_update import BASE, local_buffer
-from recipe.config import Config, load_config
+from recipe.config import Config, ConfigError, load_config
 from test_update import max_diff, ref_logps, reference_update
 
 PREFIX = "base_model.model."
@@ -240,7 +240,7 @@ def test_tied_lm_head_runs_unmerged_and_merged_save_unties_it(tiny_model_dir, tm
     (["--save_merged", "true"], "save_merged: needs use_peft: true"),
 ])
 def test_bad_lora_config_is_named(args, message):
-    with pytest.raises(Exception) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(["--config", str(REPO / "recipe/configs/quickstart.yaml"), *args])
     assert message in str(e.value)
 
