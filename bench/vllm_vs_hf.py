@@ -58,14 +58,14 @@ def main() -> None:
     cfg = load_config(["--config", args.config, *overrides, "--generation_backend", "vllm",
                        "--output_dir", "/tmp/bench_vllm_vs_hf"])
     preflight(cfg)  # as recipe.train.main: before the process group starts
-    c = train.setup(cfg)  # engine, prompt stream and the vLLM generator, exactly as the recipe builds them
+    run, _ = train.setup(cfg)  # engine, prompt stream and the vLLM generator, exactly as the recipe builds them
     one_step = dataclasses.replace(cfg, num_iterations=1)  # the first optimizer step of each rollout only
-    backends = {"hf": HFGenerator(cfg, c.engine, c.tokenizer), "vllm": c.generator}
+    backends = {"hf": HFGenerator(cfg, run.engine, run.tokenizer), "vllm": run.generator}
     totals = {name: {"tokens": 0.0, "seconds": 0.0, "sequences": 0.0} for name in backends}
     sync_s = []
     for r in range(args.rollouts + 1):  # rollout 0 warms both up and is not counted
-        batch = c.stream.batch(r)
-        seed = (cfg.seed + (r * c.world + c.rank) * 1000) % 2**31
+        batch = run.stream.batch(r)
+        seed = (cfg.seed + (r * run.world + run.rank) * 1000) % 2**31
         for name, gen in backends.items():
             dist.barrier()
             comp, dt = timed(lambda: gen.generate(batch.prompt_ids, seed=seed))
@@ -75,12 +75,12 @@ def main() -> None:
                 totals[name]["sequences"] += len(comp.ids)
         # one real GRPO step on the vLLM rollout, then the sync the recipe does before the next rollout
         rows = batch.repeat(cfg.num_generations)
-        rewards, _ = score(c.rewards, rows.prompts, comp.texts, rows.columns)
+        rewards, _ = score(run.rewards, rows.prompts, comp.texts, rows.columns)
         buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, group_advantages(rewards, cfg.num_generations),
-                                  comp.mask, c.tokenizer.pad_token_id, order_seed=r, sampling_logps=comp.logps)
-        next(train_on_rollout(c.engine, None, buf, one_step))
+                                  comp.mask, run.tokenizer.pad_token_id, order_seed=r, sampling_logps=comp.logps)
+        next(train_on_rollout(run.engine, None, buf, one_step))
         dist.barrier()
-        _, dt = timed(lambda: c.generator.sync(c.engine))
+        _, dt = timed(lambda: run.generator.sync(run.engine))
         if r > 0:
             sync_s.append(dt)
     # sum tokens over ranks; time is the slowest rank's (the ranks generate side by side)
@@ -93,9 +93,9 @@ def main() -> None:
               for i, name in enumerate(totals)}
     report = {
         "what": "generation tokens/s (all ranks) of vLLM vs transformers generate; vLLM weight sync per rollout",
-        "command": "torchrun --nproc_per_node {} bench/vllm_vs_hf.py {}".format(c.world, " ".join(sys.argv[1:])),
+        "command": "torchrun --nproc_per_node {} bench/vllm_vs_hf.py {}".format(run.world, " ".join(sys.argv[1:])),
         "machine": {"cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                    "ranks": c.world, "torch_threads_per_rank": torch.get_num_threads(),
+                    "ranks": run.world, "torch_threads_per_rank": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "vllm": __import__("vllm").__version__},
         "setup": {"model": cfg.model_name_or_path, "prompts_per_rank_per_rollout": cfg.prompts_per_rollout,
@@ -106,12 +106,12 @@ def main() -> None:
         "sync_s_per_rollout": {"mean": sum(sync_s) / len(sync_s), "max_slowest_rank": secs[-1].item()},
         "sync_share_of_vllm_rollout": (sum(sync_s) / len(sync_s)) / (result["vllm"]["seconds"] / args.rollouts),
     }
-    if c.rank == 0:
+    if run.rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report, indent=2))
     dist.barrier()
-    c.generator.close()  # last: vLLM's shutdown tears the process group down
+    run.generator.close()  # last: vLLM's shutdown tears the process group down
 
 
 if __name__ == "__main__":

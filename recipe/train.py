@@ -6,13 +6,13 @@ Works as a plain process (a world of one), under torchrun, and under the deepspe
 """
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import sys
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,17 +23,59 @@ from recipe.buffer import RolloutBuffer
 from recipe.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError, Checkpointer
 from recipe.config import Config, ConfigError, load_config
 from recipe.data import DataError, PromptStream, load_prompt_dataset
-from recipe.generation import build_generator
+from recipe.generation import Generator, build_generator
 from recipe.loss import group_advantages
 from recipe.metrics import MetricsLogger, Timer, read_metrics, reward_quarters
 from recipe.preflight import preflight
 from recipe.reuse import ReuseController
-from recipe.rewards import RewardError, load_reward_funcs, score
-from recipe.update import train_on_rollout
+from recipe.rewards import RewardError, RewardFunc, load_reward_funcs, score
+from recipe.update import StepResult, train_on_rollout
+
+TIMED = ("sync", "generate", "score", "old_logp", "train")  # the Timer's phases, logged as time_<phase>_s
 
 
-def setup(cfg: Config) -> SimpleNamespace:
-    """Build every component from the config, cheapest and most likely to fail first."""
+@dataclass
+class Run:
+    """The run's components, built once from the config by `setup`."""
+    cfg: Config
+    rank: int
+    world: int
+    tokenizer: Any
+    stream: PromptStream
+    engine: Any  # the policy's DeepSpeed engine
+    ref: Any  # the KL term's reference policy, called like a model (None when beta = 0)
+    rewards: list[RewardFunc]
+    generator: Generator
+    checkpointer: Checkpointer
+
+
+@dataclass
+class LoopState:
+    """Where the loop is. A checkpoint saves exactly this per rank (with the RNG states); a resume continues it."""
+    step: int = 0  # optimizer steps done
+    rollout: int = 0  # the rollout being trained on
+    position: tuple[int, int] | None = None  # its last (pass, step) done; None: none yet
+    buffer: RolloutBuffer | None = None  # that rollout with its old log-probs; None: not generated yet
+    stats: dict | None = None  # its reward and completion statistics (part of each of its steps' records)
+    reuse: dict | None = None  # the adaptive-reuse controller's state
+    old_logp_forwards: int = 0  # cumulative, logged with every step
+    prompts_truncated: int = 0  # cumulative, logged with every step
+
+    def next_rollout(self) -> None:
+        self.rollout, self.position, self.buffer, self.stats = self.rollout + 1, None, None, None
+
+    def state_dict(self) -> dict:
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        return state | {"buffer": None if self.buffer is None else self.buffer.state_dict()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "LoopState":
+        buffer = None if state["buffer"] is None else RolloutBuffer.from_state_dict(state["buffer"])
+        return cls(**{f.name: state[f.name] for f in fields(cls)} | {"buffer": buffer})
+
+
+def setup(cfg: Config) -> tuple[Run, LoopState]:
+    """Build every component from the config, cheapest and most likely to fail first; the loop's starting state."""
     rank, world = eng.init_distributed()
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
@@ -49,112 +91,107 @@ def setup(cfg: Config) -> SimpleNamespace:
     engine = eng.init_engine(model, cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0.0 else None
     generator = build_generator(cfg, engine, tokenizer)
-    resume = None
+    state = LoopState()
     if resume_from is not None:
-        resume = checkpointer.load(resume_from, engine)
+        state = LoopState.from_state_dict(checkpointer.load(resume_from, engine))
         generator.sync(engine)
         if rank == 0:
-            print(f"resumed from {resume_from} at step {resume['step']}", file=sys.stderr)
+            print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
     checkpointer.install_signal_handlers()
-    return SimpleNamespace(cfg=cfg, rank=rank, world=world, tokenizer=tokenizer, stream=stream, engine=engine,
-                           ref=ref, rewards=load_reward_funcs(cfg.reward_funcs), generator=generator,
-                           checkpointer=checkpointer, resume=resume)
+    run = Run(cfg, rank, world, tokenizer, stream, engine, ref, load_reward_funcs(cfg.reward_funcs), generator,
+              checkpointer)
+    return run, state
 
 
 def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_prompts: int,
                   error: bool) -> dict:
     """Reward and completion statistics over all ranks, in one all-reduce (which also shares errors)."""
-    lengths = comp.mask.sum(-1)
-    vec = torch.tensor([rewards.sum(), (rewards ** 2).sum(), rewards.numel(), lengths.sum(),
-                        comp.truncated.float().sum(), num_truncated_prompts, float(error),
-                        *[v.sum() for v in per_func.values()]], dtype=torch.float64)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(vec)
-    n = vec[2].item()
-    mean = vec[0].item() / n
-    out = {"reward_mean": mean, "reward_std": max(vec[1].item() / n - mean ** 2, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5,
-           "completion_length_mean": vec[3].item() / n, "truncated_fraction": vec[4].item() / n,
-           "prompts_truncated": int(vec[5].item()), "failed_ranks": int(vec[6].item())}
-    out.update({f"reward/{k}": vec[7 + i].item() / n for i, k in enumerate(per_func)})
-    return out
+    sums = {"reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(), "samples": rewards.numel(),
+            "length": comp.mask.sum(-1).sum(), "truncated": comp.truncated.float().sum(),
+            "prompts_truncated": num_truncated_prompts, "failed_ranks": float(error),
+            **{f"reward/{k}": v.sum() for k, v in per_func.items()}}
+    sums = eng.all_reduce_named({k: torch.as_tensor(v, dtype=torch.float64) for k, v in sums.items()})
+    sums = {k: v.item() for k, v in sums.items()}
+    n, mean = sums["samples"], sums["reward"] / sums["samples"]
+    std = max(sums["reward_sq"] / n - mean ** 2, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5  # sample std
+    return {"reward_mean": mean, "reward_std": std,
+            "completion_length_mean": sums["length"] / n, "truncated_fraction": sums["truncated"] / n,
+            "prompts_truncated": int(sums["prompts_truncated"]), "failed_ranks": int(sums["failed_ranks"]),
+            **{f"reward/{k}": sums[f"reward/{k}"] / n for k in per_func}}
 
 
-def collect_rollout(c: SimpleNamespace, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict]:
+def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict]:
     """Generate this rank's groups, score them, and fill the rank-local buffer with their advantages."""
-    cfg, G = c.cfg, c.cfg.num_generations
-    batch = c.stream.batch(rollout)
+    cfg, G = run.cfg, run.cfg.num_generations
+    batch = run.stream.batch(rollout)
     with timer("generate"):
-        comp = c.generator.generate(batch.prompt_ids, seed=(cfg.seed + (rollout * c.world + c.rank) * 1000) % 2**31)
+        comp = run.generator.generate(batch.prompt_ids, seed=(cfg.seed + (rollout * run.world + run.rank) * 1000) % 2**31)
     # a bad reward on any rank stops every rank with that rank's message
     rows, error = batch.repeat(G), None
     with timer("score"):
         try:
-            rewards, per_func = score(c.rewards, rows.prompts, comp.texts, rows.columns)
+            rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns)
         except RewardError as e:
-            error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in c.rewards}
+            error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in run.rewards}
     stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
     if stats.pop("failed_ranks"):
         raise error or RewardError(f"a reward function failed on another rank in rollout {rollout}")
     advantages = group_advantages(rewards, G, cfg.scale_rewards)  # every group lives on this rank
     mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
-    buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, c.tokenizer.pad_token_id,
+    buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, run.tokenizer.pad_token_id,
                               order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps)
     return buf, stats
 
 
-def train(c: SimpleNamespace, resume: dict | None = None) -> tuple[list[dict], bool]:
-    """The loop. Returns the step records and whether it stopped early for a signal (after a checkpoint)."""
-    cfg, timer, ckpt = c.cfg, Timer(), c.checkpointer
-    r = resume or {}
-    step, position = r.get("step", 0), r.get("position")
-    old_logp_forwards, prompts_truncated = r.get("old_logp_forwards", 0), r.get("prompts_truncated", 0)
-    logger = MetricsLogger(Path(cfg.output_dir), c.rank, cfg.max_steps, initial_step=step,
+def step_record(run: Run, state: LoopState, done: StepResult, timer: Timer, step_time_s: float) -> dict:
+    """One line of metrics.jsonl: the step's statistics, its rollout's, the counters and where the time went."""
+    return {"step": state.step, "generation": state.rollout, "iteration": done.pass_index,
+            "passes_used": done.pass_index + 1, **done.stats, **state.stats,
+            "prompts_truncated": state.prompts_truncated, "old_logp_forwards": state.old_logp_forwards,
+            "weight_syncs": run.generator.syncs, **timer.pop(*TIMED), "step_time_s": step_time_s,
+            "tokens_per_s": done.stats["train_tokens"] / step_time_s}
+
+
+def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
+    """The loop, from `state` on (updated in place). Returns the step records and whether it stopped early for
+    a signal (after a checkpoint)."""
+    cfg, ckpt, timer = run.cfg, run.checkpointer, Timer()
+    logger = MetricsLogger(Path(cfg.output_dir), run.rank, cfg.max_steps, initial_step=state.step,
                            tensorboard=cfg.report_to_tensorboard, disable_tqdm=cfg.disable_tqdm)
     reuse = ReuseController(cfg)
-    if "reuse" in r:
-        reuse.load_state_dict(r["reuse"])
+    if state.reuse is not None:
+        reuse.load_state_dict(state.reuse)
     records, last = [], time.perf_counter()
-    if step >= cfg.max_steps:
-        logger.close()
-        return records, False
-    for rollout in itertools.count(r.get("rollout", 0)):
-        if "buffer" in r:  # resuming inside this rollout: same samples, same old log-probs
-            buf, stats = RolloutBuffer.from_state_dict(r.pop("buffer")), r.pop("stats")
-        else:  # generate, score, advantages
-            buf, stats = collect_rollout(c, rollout, timer)
-            prompts_truncated += stats.pop("prompts_truncated")
-        # mu passes over the rollout, each split into steps_per_generation optimizer steps
-        last_step = (cfg.num_iterations - 1, cfg.steps_per_generation - 1)
-        for done_step in train_on_rollout(c.engine, c.ref, buf, cfg, after=position, timer=timer):
-            it, s, out = done_step.pass_index, done_step.step_index, done_step.stats
-            old_logp_forwards += done_step.old_logp_forwards
-            reuse.observe(out)
+    while state.step < cfg.max_steps:
+        if state.buffer is None:  # generate, score, advantages
+            state.buffer, state.stats = collect_rollout(run, state.rollout, timer)
+            state.prompts_truncated += state.stats.pop("prompts_truncated")
+        for done in train_on_rollout(run.engine, run.ref, state.buffer, cfg, after=state.position, timer=timer):
             # adaptive reuse: after a finished pass, maybe skip the rest of this rollout
-            skip_rest = reuse.enabled and done_step.last_in_pass and reuse.pass_done()
-            step, now = step + 1, time.perf_counter()
-            record = {"step": step, "generation": rollout, "iteration": it, "passes_used": it + 1, **out, **stats,
-                      "prompts_truncated": prompts_truncated, "old_logp_forwards": old_logp_forwards,
-                      "weight_syncs": c.generator.syncs, **timer.pop("sync", "generate", "score", "old_logp", "train"),
-                      "step_time_s": now - last}
-            record["tokens_per_s"], last = out["train_tokens"] / record["step_time_s"], now
-            records.append(record)
-            if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-                logger.log(record)
+            reuse.observe(done.stats)
+            skip_rest = reuse.enabled and done.last_in_pass and reuse.pass_done()
+            state.step, state.old_logp_forwards = state.step + 1, state.old_logp_forwards + done.old_logp_forwards
+            last_step = (cfg.num_iterations - 1, cfg.steps_per_generation - 1)
+            state.position = last_step if skip_rest else (done.pass_index, done.step_index)
+            state.reuse, now = reuse.state_dict(), time.perf_counter()
+            records.append(step_record(run, state, done, timer, now - last))
+            last = now
+            if state.step % cfg.logging_steps == 0 or state.step == cfg.max_steps:
+                logger.log(records[-1])
             # checkpoint on schedule, at the end, or when a signal asks every rank to stop
-            stop, done = ckpt.stop_requested(), step >= cfg.max_steps
-            if stop or ckpt.should_save(step) or (done and cfg.save_steps > 0):
-                ckpt.save(c.engine, step, {"step": step, "rollout": rollout, "position": last_step if skip_rest else (it, s),
-                                           "stats": stats, "reuse": reuse.state_dict(),
-                                           "old_logp_forwards": old_logp_forwards,
-                                           "prompts_truncated": prompts_truncated, "buffer": buf.state_dict()})
-            if stop or done:
+            stop, finished = ckpt.stop_requested(), state.step >= cfg.max_steps
+            if stop or ckpt.should_save(state.step) or (finished and cfg.save_steps > 0):
+                ckpt.save(run.engine, state.step, state.state_dict())
+            if stop or finished:
                 logger.close()
-                return records, stop and not done
+                return records, stop and not finished
             if skip_rest:
                 break
-        position = None
+        state.next_rollout()
         with timer("sync"):
-            c.generator.sync(c.engine)  # the next rollout must sample from the updated policy
+            run.generator.sync(run.engine)  # the next rollout must sample from the updated policy
+    logger.close()
+    return records, False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,21 +202,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:
-        c = setup(cfg)
+        run, state = setup(cfg)
     except (DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        records, preempted = train(c, c.resume)
+        records, preempted = train(run, state)
     except RewardError as e:  # a user's function misbehaved: say which, on every rank, without a traceback
-        print(f"reward error (rank {c.rank}): {e}", file=sys.stderr)
+        print(f"reward error (rank {run.rank}): {e}", file=sys.stderr)
         return 1
     final = Path(cfg.output_dir) / "final"
     if not preempted:
-        eng.save_hf_model(c.engine, c.tokenizer, final, c.rank, save_merged=cfg.save_merged)
-    if c.rank == 0:
+        eng.save_hf_model(run.engine, run.tokenizer, final, run.rank, save_merged=cfg.save_merged)
+    if run.rank == 0:
         if preempted:
-            print(f"stopped by a signal at step {records[-1]['step'] if records else '?'}; checkpoint saved, "
+            print(f"stopped by a signal at step {state.step}; checkpoint saved, "
                   f"exit {PREEMPTED_EXIT_CODE}; rerun with --resume_from_checkpoint auto to continue", file=sys.stderr)
         else:
             first, last = reward_quarters(read_metrics(Path(cfg.output_dir) / "metrics.jsonl") or records)
@@ -187,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}")
             print(f"model:   {final}")
     dist.barrier()
-    c.generator.close()  # last: vLLM's shutdown tears the process group down itself
+    run.generator.close()  # last: vLLM's shutdown tears the process group down itself
     if dist.is_initialized():
         dist.destroy_process_group()
     return PREEMPTED_EXIT_CODE if preempted else 0
