@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 from common import QUICKSTART, RESULTS, launch, machine, read_metrics, save_json
@@ -55,7 +56,7 @@ def main() -> None:
             grid.append(run(name, ov, args.steps, args.nproc))
             print(name, f"{grid[-1]['step_time_s']:.3f}s/step", flush=True)
     result = {"config": QUICKSTART, "command": "python bench/breakdown.py" + (" --no-grid" if args.no_grid else ""),
-              "base": base, "overhead_share": base["overhead_share"], "grid": grid, "machine": machine()}
+              "base": base, "overhead_share": base["overhead_share"], "grid": grid, "machine": machine(load_average_at_end=os.getloadavg())}
     path = save_json("breakdown.json", result)
     plot(base, grid)
     print(f"wrote {path}; overhead_share {base['overhead_share']:.3f}")

@@ -1,31 +1,28 @@
-"""Shared helpers for the benchmarks: launching recipe runs on CPU ranks and reading their metrics."""
+"""Shared helpers for the benchmarks: launching recipe runs on CPU ranks, reading their metrics, describing the
+machine."""
 from __future__ import annotations
 
 import json
 import os
-import socket
+import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the scripts run from bench/
+
+from recipe.launch import rank_env, torchrun  # noqa: E402
+from recipe.metrics import read_jsonl  # noqa: E402
+
 RESULTS = Path(os.environ.get("BENCH_RESULTS", REPO / "bench" / "results"))  # tests point it elsewhere
 QUICKSTART = "recipe/configs/quickstart.yaml"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nproc: int, entry: list[str], overrides: list[str], log: Path) -> float:
     """Run `entry` (e.g. ["-m", "recipe.train"]) under torchrun with nproc CPU ranks; returns wall seconds."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-               TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *entry, *overrides]
+    env, cmd = rank_env(), torchrun(nproc, [*entry, *overrides])
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -39,13 +36,12 @@ def launch(nproc: int, entry: list[str], overrides: list[str], log: Path) -> flo
 
 def read_metrics(out_dir: Path) -> list[dict]:
     """The run's metrics.jsonl records; a half-written last line (a run still going) is left out."""
-    path = out_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+    return read_jsonl(out_dir / "metrics.jsonl")
 
 
 class MetricsTail:
-    """A running run's metrics.jsonl, parsed incrementally: each read() parses only the lines added since."""
+    """A running run's metrics.jsonl, parsed incrementally: each read() parses only the lines completed since
+    (read_jsonl's rule, without re-reading the file)."""
 
     def __init__(self, out_dir: Path):
         self.path, self.offset, self.records = out_dir / "metrics.jsonl", 0, []
@@ -95,10 +91,14 @@ def save_json(name: str, data: dict) -> Path:
     return path
 
 
-def machine() -> dict:
-    import platform
-
+def machine(**extra) -> dict:
+    """The machine a result was measured on, plus `extra` (e.g. the load average at the end)."""
     import torch
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "load_average_at_end": os.getloadavg()}
+    cpuinfo = Path("/proc/cpuinfo")
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")), "") if cpuinfo.exists() else platform.processor()
+    return {"cpus": os.cpu_count(), "cpu_model": cpu,
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(), **extra}

@@ -15,13 +15,13 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from bench/ as well
 BIGGER = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
               num_key_value_heads=8)
 LORA = dict(lora_r=16, lora_alpha=32)
@@ -91,20 +91,13 @@ def worker(model_name: str, mode: str, out: str) -> None:
     dist.barrier()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(model_name: str, mode: str, nproc: int) -> list[dict]:
+    from recipe.launch import rank_env, torchrun
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__,
-               "--worker", model_name, mode, str(out)]
+        env = rank_env(os.environ.get("DS_ACCELERATOR", "cpu"))  # CPU ranks unless told otherwise
+        cmd = torchrun(nproc, [__file__, "--worker", model_name, mode, str(out)])
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{model_name}/{mode} failed:\n{proc.stderr[-4000:]}")

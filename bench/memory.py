@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def main() -> None:
               "old_logp_bytes_constant_per_rank_across_world_sizes": constant,
               "note": "peak RSS covers the whole process (Python, torch, DeepSpeed, model shards, optimizer "
                       "state, KV cache of generate); the old log-probs are [completions per rank x completion "
-                      "length] float32 on each rank", "machine": machine()}
+                      "length] float32 on each rank", "machine": machine(load_average_at_end=os.getloadavg())}
     path = save_json("memory.json", result)
     plot(rows, RESULTS / "memory.png")
     print(f"wrote {path}; old log-prob bytes per rank constant across world sizes: {constant}")

@@ -11,6 +11,7 @@ reward (0 for the length reward); reported for f = 0.5 and 0.8.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def main() -> None:
                           "(start-up excluded) until that rollout's reward was known",
         "threshold": thresholds[FRACTIONS[0]], "threshold_fraction": FRACTIONS[0],
         "speedup_vs_mu1": {mu: v["median"] for mu, v in summary[main_f]["speedup_vs_mu1"].items()},
-        "summary": summary, "runs": runs, "machine": machine(),
+        "summary": summary, "runs": runs, "machine": machine(load_average_at_end=os.getloadavg()),
     }
     path = save_json("mu_sweep.json", result)
     plot(runs, args.mus, thresholds, RESULTS / "mu_sweep.png")

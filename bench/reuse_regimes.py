@@ -33,8 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import (QUICKSTART, REPO, RESULTS, MetricsTail, machine, per_generation, read_metrics, save_json,
-                    smoothed, time_to)
+from common import (QUICKSTART, REPO, RESULTS, MetricsTail, machine, per_generation, rank_env, read_metrics,
+                    save_json, smoothed, time_to)
 
 FRACTIONS = (0.5, 0.8, 0.9)
 SMOOTH = 4
@@ -89,8 +89,7 @@ def run(regime: str, variant: str, seed: int, root: Path) -> dict:
     cmd = [sys.executable, "-m", "recipe.train", "--config", QUICKSTART, *REGIMES[regime]["args"],
            *VARIANTS[variant], "--seed", str(seed), "--max_steps", "100000", "--output_dir", str(out),
            "--save_steps", "0", "--logging_steps", "1", "--disable_tqdm", "true"]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-               TOKENIZERS_PARALLELISM="false")
+    env = rank_env()
     out.mkdir(parents=True, exist_ok=True)
     budget, stop_at = REGIMES[regime]["budget_s"], REGIMES[regime].get("stop_at")
     (out / "metrics.jsonl").unlink(missing_ok=True)
@@ -216,7 +215,8 @@ def main() -> None:
         "variants": {k: " ".join(v) for k, v in VARIANTS.items()},
         "speedup_vs_mu1": {reg: {v: {f: row[f]["median"] for f in map(str, FRACTIONS)}
                                  for v, row in s["variants"].items()} for reg, s in summary.items()},
-        "regimes": summary, "runs": runs, "total_wall_s": time.perf_counter() - t0, "machine": machine(),
+        "regimes": summary, "runs": runs, "total_wall_s": time.perf_counter() - t0,
+        "machine": machine(load_average_at_end=os.getloadavg()),
     }
     path = save_json("reuse_regimes.json", result)
     for regime in summary:

@@ -23,9 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import moving_average
+from common import REPO, moving_average, read_jsonl, read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG = "recipe/configs/smollm2_arith.yaml"
 MODEL = "output/models/smollm2-135m-instruct"
 DATA = "output/data/arith"
@@ -113,7 +112,7 @@ def compare(prefix: str) -> dict:
     """Before/after accuracy on one eval file, its noise, and the paired test."""
     before = json.loads((REPO / LOGS / f"{prefix}_before.json").read_text())
     after = json.loads((REPO / LOGS / f"{prefix}_after.json").read_text())
-    scores = {k: [json.loads(x)["score"] for x in (REPO / LOGS / f"{prefix}_{k}_samples.jsonl").read_text().splitlines()]
+    scores = {k: [x["score"] for x in read_jsonl(REPO / LOGS / f"{prefix}_{k}_samples.jsonl")]
               for k in ("before", "after")}
     b, c, p = mcnemar_exact_p(scores["before"], scores["after"])
     gain = after["accuracy"] - before["accuracy"]
@@ -127,7 +126,7 @@ def compare(prefix: str) -> dict:
 def summarize() -> dict:
     import yaml
 
-    records = [json.loads(x) for x in (REPO / RUN / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    records = read_metrics(REPO / RUN)
     wall = REPO / RUN / "wall_time_s"
     quarter = max(1, len(records) // 4)
     out = {

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 
 def parse() -> tuple[argparse.Namespace, list[str]]:
@@ -46,6 +45,7 @@ def timed(fn):
 
 def main() -> None:
     args, overrides = parse()
+    from common import machine
     from recipe import train
     from recipe.buffer import RolloutBuffer
     from recipe.config import load_config
@@ -94,10 +94,8 @@ def main() -> None:
     report = {
         "what": "generation tokens/s (all ranks) of vLLM vs transformers generate; vLLM weight sync per rollout",
         "command": "torchrun --nproc_per_node {} bench/vllm_vs_hf.py {}".format(run.world, " ".join(sys.argv[1:])),
-        "machine": {"cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                    "ranks": run.world, "torch_threads_per_rank": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "vllm": __import__("vllm").__version__},
+        "machine": machine(ranks=run.world, torch_threads_per_rank=torch.get_num_threads(),
+                           vllm=__import__("vllm").__version__),
         "setup": {"model": cfg.model_name_or_path, "prompts_per_rank_per_rollout": cfg.prompts_per_rollout,
                   "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
                   "temperature": cfg.temperature, "rollouts_measured": args.rollouts},

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -177,9 +176,9 @@ def ds_differences(ours: dict, trl: dict) -> list[str]:
 def run_env(python: str) -> dict:
     import torch
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    if not torch.cuda.is_available():
-        env["DS_ACCELERATOR"] = "cpu"
+    from recipe.launch import rank_env
+
+    env = rank_env(None if torch.cuda.is_available() else "cpu")
     # DeepSpeed's CPU comm op is JIT-built into a cache shared by every environment; a per-interpreter folder keeps
     # another environment's build from forcing a rebuild (about a minute) inside the benchmark.
     tag = Path(python).resolve().parent.parent.name
@@ -203,25 +202,18 @@ def launch(cmd: list[str], env: dict, log: Path, timeout: float) -> float:
 
 def commands(args, python: str, cfg_path: str, prompts: Path, run_dir: Path, mu: int, steps: int,
              spec: Path) -> dict[str, list[str]]:
-    torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    from recipe.launch import torchrun
+
     overrides = [x for kv in args.set for x in ("--" + kv.partition("=")[0], kv.partition("=")[2])]
-    ours = torchrun + ["-m", "recipe.train", "--config", cfg_path, *overrides, "--dataset_name", str(prompts),
-                       "--num_iterations", str(mu), "--max_steps", str(steps), "--save_steps", "0",
-                       "--output_dir", str(run_dir / "ours")]
-    return {"ours": ours, "trl": torchrun + [str(REPO / "bench" / "trl_runner.py"), str(spec)]}
+    ours = torchrun(2, ["-m", "recipe.train", "--config", cfg_path, *overrides, "--dataset_name", str(prompts),
+                        "--num_iterations", str(mu), "--max_steps", str(steps), "--save_steps", "0",
+                        "--output_dir", str(run_dir / "ours")], python=python)
+    return {"ours": ours, "trl": torchrun(2, [str(REPO / "bench" / "trl_runner.py"), str(spec)], python=python)}
 
 
 # ------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory_gib": round(mem, 1), "os": platform.platform(),
-            "python": platform.python_version(), "load_average_at_start": os.getloadavg()}
-
-
 def versions(python: str) -> dict:
     code = ("import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in "
             "('trl', 'torch', 'transformers', 'accelerate', 'deepspeed', 'datasets')}))")
@@ -247,6 +239,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoConfig
 
+    from common import machine
     from recipe import engine as eng
     from vs_trl_logs import (REWARD_WINDOW, markdown_table, plot, read_ours, read_trl, reward_at_budget, summarize,
                              summarize_run)
@@ -260,7 +253,7 @@ def main(argv=None) -> int:
     ds_path = work / "ds_config_trl.json"
     ds_path.write_text(json.dumps(trl_ds_config(cfg, cuda), indent=1))
     ours_ds = eng.ds_config(cfg, world, AutoConfig.from_pretrained(model).hidden_size)
-    env, info, runs, cmds = run_env(args.python), machine(), [], {}
+    env, info, runs, cmds = run_env(args.python), machine(load_average_at_start=os.getloadavg()), [], {}
     t_start = time.perf_counter()
     for rep in range(args.reps):
         for mu in args.mus:

@@ -9,6 +9,8 @@ import json
 import statistics
 from pathlib import Path
 
+from recipe.metrics import read_jsonl
+
 REWARD_WINDOW = 3  # "reward after a budget" = mean reward of the last 3 rollouts scored within it
 
 def steady_rates(step_ends: list[float], steps_per_rollout: int) -> tuple[float, float]:
@@ -28,9 +30,7 @@ def reward_at_budget(times: list[float], rewards: list[float], budget: float, wi
 
 def read_ours(run_dir: Path, steps_per_rollout: int) -> dict:
     """Step end times, per-rollout reward (timed at the end of the rollout's first step) and counts."""
-    from recipe.metrics import read_metrics
-
-    recs = read_metrics(run_dir / "metrics.jsonl")
+    recs = read_jsonl(run_dir / "metrics.jsonl")
     ends, t = [], 0.0
     for r in recs:
         t += r["step_time_s"]
@@ -45,10 +45,7 @@ def read_ours(run_dir: Path, steps_per_rollout: int) -> dict:
 
 def read_trl(run_dir: Path, steps_per_rollout: int, world: int) -> dict:
     """The same quantities from the runner's event files (all ranks) and TRL's log history."""
-    ranks = []
-    for r in range(world):
-        lines = (run_dir / f"events-rank{r}.jsonl").read_text().splitlines()
-        ranks.append([json.loads(x) for x in lines if x.strip()])
+    ranks = [read_jsonl(run_dir / f"events-rank{r}.jsonl") for r in range(world)]
     t0 = next(e["t"] for e in ranks[0] if e["event"] == "train_begin")
     ends = [e["t"] - t0 for e in ranks[0] if e["event"] == "step_end"]
     # One generation on a rank = one call of each reward function; global reward = weighted sum over functions

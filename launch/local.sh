@@ -15,6 +15,6 @@ else
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per rank: 2 threads per rank ran ~10x slower here
 echo "local.sh: $NPROC ranks on $([ "$NGPU" -gt 0 ] && echo GPU || echo CPU), OMP_NUM_THREADS=$OMP_NUM_THREADS" >&2
-PORT="${MASTER_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}"
+PORT="${MASTER_PORT:-$("$PY" -c 'from recipe.launch import free_port; print(free_port())')}"
 exec "$PY" -m torch.distributed.run --nnodes 1 --nproc_per_node "$NPROC" --master_addr 127.0.0.1 \
   --master_port "$PORT" -m recipe.train "$@"

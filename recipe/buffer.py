@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from recipe.data import left_pad
+
 
 @dataclass
 class RolloutBuffer:
@@ -39,16 +41,13 @@ class RolloutBuffer:
               completion_mask: torch.Tensor, pad_id: int, order_seed: int,
               sampling_logps: torch.Tensor | None = None) -> "RolloutBuffer":
         """Left-pad prompts and right-pad completions into one [N, P + C] batch."""
-        n = len(completion_ids)
-        p_len = max(len(p) for p in prompt_ids)
-        c_len = completion_mask.shape[1]
-        ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long)
-        attn = torch.zeros((n, p_len + c_len), dtype=torch.long)
-        for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-            ids[i, p_len - len(p):p_len] = torch.tensor(p, dtype=torch.long)
-            attn[i, p_len - len(p):p_len] = 1
-            ids[i, p_len:p_len + len(c)] = torch.tensor(c, dtype=torch.long)
-        attn[:, p_len:] = completion_mask.long()
+        n, c_len = len(completion_ids), completion_mask.shape[1]
+        prompts, prompt_attn = left_pad(prompt_ids, pad_id)
+        completions = torch.full((n, c_len), pad_id, dtype=torch.long)
+        for i, c in enumerate(completion_ids):
+            completions[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        ids = torch.cat([prompts, completions], dim=1)
+        attn = torch.cat([prompt_attn, completion_mask.long()], dim=1)
         if sampling_logps is None:
             sampling_logps = torch.full((n, c_len), float("nan"))
         return cls(ids, attn, completion_mask.float(), advantages.float(),

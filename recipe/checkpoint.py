@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from recipe.config import Config
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after a checkpoint; requeue to continue
 # Fields that may change between a run and its resumption; every other field must match.
 MUTABLE_FIELDS = {"max_steps", "logging_steps", "report_to_tensorboard", "disable_tqdm", "output_dir",
                   "resume_from_checkpoint", "save_steps", "save_total_limit"}

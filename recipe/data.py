@@ -1,4 +1,4 @@
-"""Prompts: loading (datasets), formatting (chat template), left truncation, rank sharding, epoch order.
+"""Prompts: loading (datasets), formatting (chat template), left truncation and padding, rank sharding, epoch order.
 
 The prompt stream is a pure function of the rollout index: epoch e visits the dataset in a permutation
 seeded by (seed, e), and rollout k takes the next `world x prompts_per_rank` prompts of that endless
@@ -15,6 +15,18 @@ from recipe.config import DATA_EXTENSIONS, Config, looks_like_file, resolve_path
 
 class DataError(ValueError):
     """The dataset cannot feed the recipe; the message says why."""
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows as one batch (ids, attention mask), each row flush right so that generation continues every
+    row at the same position."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        attn[i, width - len(r):] = 1
+    return ids, attn
 
 
 def load_prompt_dataset(cfg: Config):

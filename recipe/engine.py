@@ -5,12 +5,12 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import torch
 
 from recipe.config import Config, resolve_path
+from recipe.launch import free_port
 
 
 # ------------------------------------------------------------------------------------------
@@ -25,11 +25,8 @@ def init_distributed() -> tuple[int, int]:
     # torch deprecates the collective names DeepSpeed calls on every step; one warning per call floods logs.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
     if "RANK" not in os.environ:  # plain `python -m recipe.train`: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from recipe.buildlock import load_comm_op

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from recipe.config import Config
-from recipe.data import DataError, PromptStream, load_prompt_dataset
+from recipe.data import DataError, PromptStream, left_pad, load_prompt_dataset
 from recipe.rewards import RewardError, load_reward_funcs, score
 
 DEFAULT_REWARD = "recipe.examples.arith_rewards:correctness"
@@ -33,12 +33,8 @@ def greedy(model, tok, texts: list[str], max_new_tokens: int, batch_size: int, a
     out: list[str] = [""] * len(enc)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        width = max(len(enc[i]) for i in idx)
-        ids = torch.full((len(idx), width), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for row, i in enumerate(idx):
-            ids[row, width - len(enc[i]):] = torch.tensor(enc[i])
-            attn[row, width - len(enc[i]):] = 1
+        ids, attn = left_pad([enc[i] for i in idx], tok.pad_token_id)
+        width = ids.shape[1]
         gen = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device), do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, top_p=None, top_k=None,
                              temperature=None)

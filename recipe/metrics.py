@@ -36,7 +36,7 @@ class MetricsLogger:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
         if initial_step > 0 and self.path.exists():  # resumed: drop steps logged after the checkpoint
-            kept = [r for r in read_metrics(self.path) if r["step"] <= initial_step]
+            kept = [r for r in read_jsonl(self.path) if r["step"] <= initial_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             self.file = self.path.open("a")
         else:
@@ -70,17 +70,14 @@ class MetricsLogger:
                 h.close()
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """The JSON lines of a metrics file; a torn last line (a kill mid-write) is dropped."""
-    if not Path(path).exists():
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (none when it does not exist). A last line without its newline -- a write
+    still going on, or a kill mid-write -- is left out; every complete line must parse."""
+    path = Path(path)
+    if not path.exists():
         return []
-    records = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
+    lines = path.read_text().split("\n")[:-1]  # the part after the last newline is not a complete line
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def reward_quarters(records: list[dict]) -> tuple[float, float]:

@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from recipe import engine as eng
 from recipe.buffer import RolloutBuffer
-from recipe.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError, Checkpointer
+from recipe.checkpoint import CheckpointError, Checkpointer
 from recipe.config import Config, ConfigError, load_config
 from recipe.data import DataError, PromptStream, load_prompt_dataset
 from recipe.generation import Generator, build_generator
+from recipe.launch import PREEMPTED_EXIT_CODE
 from recipe.loss import group_advantages
-from recipe.metrics import MetricsLogger, Timer, read_metrics, reward_quarters
+from recipe.metrics import MetricsLogger, Timer, read_jsonl, reward_quarters
 from recipe.preflight import preflight
 from recipe.reuse import ReuseController
 from recipe.rewards import RewardError, RewardFunc, load_reward_funcs, score
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped by a signal at step {state.step}; checkpoint saved, "
                   f"exit {PREEMPTED_EXIT_CODE}; rerun with --resume_from_checkpoint auto to continue", file=sys.stderr)
         else:
-            first, last = reward_quarters(read_metrics(Path(cfg.output_dir) / "metrics.jsonl") or records)
+            first, last = reward_quarters(read_jsonl(Path(cfg.output_dir) / "metrics.jsonl") or records)
             print(f"reward_mean: first quarter {first:.3f} -> last quarter {last:.3f}")
             print(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}")
             print(f"model:   {final}")

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from recipe import engine as eng
 from recipe.config import Config
+from recipe.data import left_pad
 from recipe.generation import build_generator
 from recipe.update import forward_logps
 
@@ -44,10 +45,8 @@ def main():
     got = gen.generate(prompts, seed=123 + rank)
     gathers_12 = GATHERS[0]
     # Reference: the same sampling on the plain model with the same seed.
-    rows = [p for p in prompts for _ in range(2)]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in rows])
-    attn = (torch.arange(width) >= (width - torch.tensor([len(p) for p in rows])).unsqueeze(1)).long()
+    ids, attn = left_pad([p for p in prompts for _ in range(2)], tok.pad_token_id)
+    width = ids.shape[1]
     torch.manual_seed(123 + rank)
     ref = plain.generate(input_ids=ids, attention_mask=attn, generation_config=gen.gen_config)[:, width:].tolist()
     eos = tok.eos_token_id

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from recipe.launch import free_port
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "runuser")
 
@@ -31,12 +33,6 @@ BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "runuser")
 def _bin(name: str) -> str:
     """Daemons live in /usr/sbin, which a non-login PATH may lack."""
     return shutil.which(name) or str(Path("/usr/sbin", name))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def missing_reason() -> str | None:

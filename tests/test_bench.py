@@ -7,12 +7,13 @@ import sys
 
 import pytest
 
-from conftest import REPO, cpu_env, torchrun
+from conftest import REPO, torchrun
+from recipe.launch import rank_env
 
 
 def bench(tmp_path, script, *args, timeout=600):
     proc = subprocess.run([sys.executable, script, *args], cwd=REPO / "bench", capture_output=True, text=True,
-                          env=cpu_env(BENCH_RESULTS=tmp_path), timeout=timeout)
+                          env=rank_env(BENCH_RESULTS=tmp_path), timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
@@ -56,12 +57,12 @@ def test_metrics_tail_parses_only_complete_new_lines(tmp_path):
     from common import MetricsTail, read_metrics
 
     tail, path = MetricsTail(tmp_path), tmp_path / "metrics.jsonl"
-    assert tail.read() == []  # no file yet
-    path.write_text('{"step": 1}\n{"step": 2}\n{"ste')  # a run mid-write
-    assert [r["step"] for r in tail.read()] == [1, 2]
+    assert tail.read() == [] == read_metrics(tmp_path)  # no file yet
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "x": {}')  # a run mid-write (it ends in "}" too)
+    assert [r["step"] for r in tail.read()] == [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     with open(path, "a") as f:
-        f.write('p": 3}\n')
-    assert tail.read() == read_metrics(tmp_path) == [{"step": 1}, {"step": 2}, {"step": 3}]
+        f.write(', "y": 1}\n')
+    assert tail.read() == read_metrics(tmp_path) == [{"step": 1}, {"step": 2}, {"step": 3, "x": {}, "y": 1}]
 
 
 def test_vowel_share_reward_loads_as_a_file_spec():

@@ -8,7 +8,10 @@ import time
 
 import pytest
 
-from conftest import REPO, cpu_env, read_jsonl
+from conftest import REPO
+from recipe.launch import rank_env
+from recipe.launch import torchrun as torchrun_cmd
+from recipe.metrics import read_jsonl
 from recipe import buildlock
 
 HOLD = "import sys, time; from recipe.buildlock import exclusive\nwith exclusive(sys.argv[1], 'a test build'):\n" \
@@ -16,7 +19,7 @@ HOLD = "import sys, time; from recipe.buildlock import exclusive\nwith exclusive
 
 
 def hold(path, seconds):
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), str(seconds)], cwd=REPO, env=cpu_env(),
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), str(seconds)], cwd=REPO, env=rank_env(),
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
@@ -45,12 +48,11 @@ def test_a_waiter_says_what_it_waits_for_and_who_holds_it(tmp_path, monkeypatch,
 
 
 def run_two_ranks(out, ext_dir, **env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(env.pop("port")), "-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml",
-           "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
-           "--max_completion_length", "8", "--disable_tqdm", "true", "--output_dir", str(out)]
+    cmd = torchrun_cmd(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "2",
+                           "--per_device_train_batch_size", "4", "--num_generations", "4",
+                           "--max_completion_length", "8", "--disable_tqdm", "true", "--output_dir", str(out)])
     log = open(f"{out}.log", "w+")  # a file, not a pipe: two runs' output must never block on a full pipe
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(TORCH_EXTENSIONS_DIR=ext_dir, **env),
+    proc = subprocess.Popen(cmd, cwd=REPO, env=rank_env(TORCH_EXTENSIONS_DIR=ext_dir, **env),
                             stdout=subprocess.DEVNULL, stderr=log, text=True)
     proc.stderr_log = log
     return proc
@@ -65,13 +67,11 @@ def finish(proc, timeout=900):
 
 @pytest.mark.slow
 def test_killed_builder_then_two_concurrent_first_runs_build_the_op_once(tmp_path):
-    from conftest import free_port
-
     ext = tmp_path / "ext"
     op_dir = ext / buildlock.COMM_OP
     # A builder killed mid-build (with its compiler) leaves torch's lock file behind.
     builder = subprocess.Popen([sys.executable, "-c", "from recipe.buildlock import load_comm_op; load_comm_op()"],
-                               cwd=REPO, env=cpu_env(TORCH_EXTENSIONS_DIR=ext), start_new_session=True,
+                               cwd=REPO, env=rank_env(TORCH_EXTENSIONS_DIR=ext), start_new_session=True,
                                stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (op_dir / "lock").exists():
@@ -81,7 +81,7 @@ def test_killed_builder_then_two_concurrent_first_runs_build_the_op_once(tmp_pat
     builder.wait()
     assert (op_dir / "lock").exists() and not (op_dir / f"{buildlock.COMM_OP}.so").exists()
 
-    runs = [run_two_ranks(tmp_path / f"out{i}", ext, port=free_port()) for i in range(2)]
+    runs = [run_two_ranks(tmp_path / f"out{i}", ext) for i in range(2)]
     results = [finish(p) for p in runs]
     for rc, err in results:
         assert rc == 0, err[-3000:]
@@ -94,7 +94,7 @@ def test_killed_builder_then_two_concurrent_first_runs_build_the_op_once(tmp_pat
     # A lock file left in a build folder that predates the stamp (an older setup, interrupted): cleared, one line.
     (op_dir / buildlock.STAMP).unlink()
     (op_dir / "lock").touch()
-    proc = run_two_ranks(tmp_path / "out2", ext, port=free_port())
+    proc = run_two_ranks(tmp_path / "out2", ext)
     rc, err = finish(proc)
     assert rc == 0, err[-3000:]
     assert err.count("removed a stale build lock") == 1 and not (op_dir / "lock").exists()
@@ -102,7 +102,7 @@ def test_killed_builder_then_two_concurrent_first_runs_build_the_op_once(tmp_pat
     # Built and stamped: loading takes no lock, so even a held build lock does not delay a run.
     holder = hold(ext / f"{buildlock.COMM_OP}.build-lock", 600)
     try:
-        proc = run_two_ranks(tmp_path / "out3", ext, port=free_port())
+        proc = run_two_ranks(tmp_path / "out3", ext)
         rc, err = finish(proc)
     finally:
         holder.kill()

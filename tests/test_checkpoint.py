@@ -10,10 +10,12 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, cpu_env, free_port, read_jsonl, torchrun
-from recipe.checkpoint import (PREEMPTED_EXIT_CODE, CheckpointError, Checkpointer, rng_state, safe_load,
-                               set_rng_state)
+from conftest import REPO, torchrun
+from recipe.checkpoint import CheckpointError, Checkpointer, rng_state, safe_load, set_rng_state
 from recipe.config import Config
+from recipe.launch import PREEMPTED_EXIT_CODE, rank_env
+from recipe.launch import torchrun as torchrun_cmd
+from recipe.metrics import read_jsonl
 
 # The quickstart's shape (2 ranks, ZeRO-3, mu = 4) made short: 12 steps = 3 rollouts of 4 passes.
 RUN = ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "12", "--save_steps", "3",
@@ -42,10 +44,8 @@ def assert_same_run(a, b):
 
 
 def start(out, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *RUN, "--output_dir", str(out), *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(torchrun_cmd(2, [*RUN, "--output_dir", str(out), *extra]), cwd=REPO, env=rank_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def signal_tree(pid, sig):
@@ -119,7 +119,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_identically(tmp_path, uninterr
 def test_sigusr1_in_a_plain_process_exits_with_the_documented_code(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, *RUN, "--output_dir", str(out), "--save_steps", "0"], cwd=REPO,
-                            env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(proc, out, 2)
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=120)

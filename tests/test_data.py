@@ -1,10 +1,11 @@
-"""Prompt data: file formats, chat template, left truncation, rank shards, epoch order."""
+"""Prompt data: file formats, chat template, left truncation and padding, rank shards, epoch order."""
 import json
 
 import pytest
+import torch
 
 from recipe.config import Config
-from recipe.data import DataError, PromptStream, load_prompt_dataset
+from recipe.data import DataError, PromptStream, left_pad, load_prompt_dataset
 from recipe.engine import load_tokenizer
 
 
@@ -22,6 +23,12 @@ def cfg_for(path, **kw):
     base = dict(dataset_name=str(path), num_generations=2, per_device_train_batch_size=2,
                 gradient_accumulation_steps=1, max_prompt_length=64)
     return Config(**{**base, **kw})
+
+
+def test_left_pad_puts_every_row_flush_right():
+    ids, attn = left_pad([[5, 6, 7], [8], [9, 10]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]] and ids.dtype == torch.long
+    assert attn.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
 
 
 def test_shards_are_disjoint_and_cover_each_epoch(tmp_path, tok):

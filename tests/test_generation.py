@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 
 from conftest import torchrun
 from recipe.generation import finish

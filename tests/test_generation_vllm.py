@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from conftest import read_jsonl, torchrun
+from conftest import torchrun
+from recipe.metrics import read_jsonl
 from recipe.config import ConfigError, load_config
 from recipe.preflight import preflight
 from recipe.generation.vllm import CPU_HEAD_SIZES, VLLMUnavailable, check_cpu_head_size

@@ -5,7 +5,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import REPO, cpu_env
+from conftest import REPO
+from recipe.launch import rank_env
 
 MODULES = sorted(".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
                  for p in (REPO / "recipe").rglob("*.py"))
@@ -52,7 +53,7 @@ def test_each_module_imports_alone_and_config_pulls_in_nothing_else():
            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'recipe'))"
 
     def fresh(m):
-        return subprocess.run([sys.executable, "-c", code, m], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-c", code, m], cwd=REPO, env=rank_env(), capture_output=True, text=True,
                               timeout=300)
 
     with ThreadPoolExecutor(4) as pool:  # a few interpreters at a time: each one imports torch

@@ -4,13 +4,15 @@ import sys
 
 import pytest
 
-from conftest import REPO, cpu_env, read_jsonl
+from conftest import REPO
+from recipe.launch import rank_env
+from recipe.metrics import read_jsonl
 
 
 @pytest.mark.slow
 def test_local_sh_two_cpu_ranks_short_run_with_offload_config(tmp_path):
     out = tmp_path / "out"
-    env = cpu_env(VENV_PY=sys.executable, NPROC=2)
+    env = rank_env(VENV_PY=sys.executable, NPROC=2)
     del env["OMP_NUM_THREADS"]  # local.sh must set it
     proc = subprocess.run(["bash", "launch/local.sh", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "3",
                            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",

@@ -2,10 +2,12 @@
 import pytest
 import torch
 
-from conftest import REPO, read_jsonl, torchrun
+from conftest import REPO, torchrun
+from recipe.metrics import read_jsonl
 from dist_lora import CASE, PROBE, PROMPTS
 from dist_update import BASE, local_buffer
 from recipe.config import Config, ConfigError, load_config
+from recipe.data import left_pad
 from test_update import max_diff, ref_logps, reference_update
 
 PREFIX = "base_model.model."
@@ -36,10 +38,8 @@ def plain(tiny_model_dir):
 
 def greedy(model, tok, prompts, max_new_tokens):
     """Left-padded greedy generation, cut after EOS: what the recipe's generator does, on a plain model."""
-    rows = [tok(p).input_ids for p in prompts]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
-    attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    ids, attn = left_pad([tok(p).input_ids for p in prompts], tok.pad_token_id)
+    width = ids.shape[1]
     out = model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=max_new_tokens,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, width:].tolist()
     return [r[:r.index(tok.eos_token_id) + 1] if tok.eos_token_id in r else r for r in out]
@@ -259,12 +259,12 @@ def test_quickstart_lora_end_to_end_reward_rises(tmp_path, tiny_model_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from conftest import cpu_env
+    from recipe.launch import rank_env
     from test_train import REQUIRED_KEYS
 
     out = tmp_path / "qs"
     proc = subprocess.run(["bash", "launch/local.sh", "--config", QUICKSTART_LORA, "--output_dir", str(out),
-                           "--disable_tqdm", "true"], cwd=REPO, env=cpu_env(VENV_PY=sys.executable),
+                           "--disable_tqdm", "true"], cwd=REPO, env=rank_env(VENV_PY=sys.executable),
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = load_config(["--config", str(REPO / QUICKSTART_LORA)])

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, cpu_env, read_jsonl
+from conftest import REPO
+from recipe.launch import rank_env
+from recipe.metrics import read_jsonl
 
 pytest.importorskip("reasoning_gym")
 from recipe.prepare_data import INSTRUCTION, build  # noqa: E402
@@ -35,7 +37,7 @@ def test_rows_and_split(tmp_path):
 def test_cli_errors_name_the_problem(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "recipe.prepare_data", "--out", str(tmp_path), *args],
-                              cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
+                              cwd=REPO, env=rank_env(), capture_output=True, text=True, timeout=120)
 
     proc = run("--task", "no_such_task")
     assert proc.returncode == 2 and "no_such_task" in proc.stderr

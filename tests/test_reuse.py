@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, cpu_env, read_jsonl
+from conftest import REPO
+from recipe.launch import rank_env
+from recipe.metrics import read_jsonl
 from recipe.config import Config
 from recipe.reuse import ReuseController
 
@@ -15,7 +17,7 @@ RUN = [sys.executable, "-m", "recipe.train", "--config", "recipe/configs/quickst
 
 
 def run(*args):
-    proc = subprocess.run([*RUN, *args], cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*RUN, *args], cwd=REPO, env=rank_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -9,14 +9,13 @@ import time
 
 import pytest
 
-from conftest import REPO, read_jsonl
-from recipe.config import Config
+from conftest import REPO
+from recipe.metrics import read_jsonl
 from slurm_cluster import LocalSlurm, missing_reason
 
 pytestmark = pytest.mark.slow
 
 SHORT = ["--disable_tqdm", "true", "--max_completion_length", "24"]
-RESUME_SUPPORTED = "resume_from_checkpoint" in Config.__dataclass_fields__
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +87,6 @@ def wait_for(what, ok, timeout=300, proc=None):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.skipif(not RESUME_SUPPORTED, reason="the recipe has no resume_from_checkpoint yet (issue #4)")
 def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path, tiny_model_dir):
     """USR1 mid-run: the ranks checkpoint and exit 75, the job requeues itself and resumes from the checkpoint."""
     out, name = tmp_path / "out", "preempt"

@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, cpu_env, read_jsonl
+from conftest import REPO
+from recipe.launch import rank_env
+from recipe.metrics import read_jsonl
 
 CONFIG = "recipe/configs/smollm2_arith.yaml"
 
@@ -34,7 +36,7 @@ needs_examples = pytest.mark.skipif(
 
 
 def run(*args, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=rank_env(), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"{args[0]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc

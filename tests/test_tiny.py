@@ -62,7 +62,8 @@ def test_saved_weights_load_back_identical_with_tied_head_named_as_embeddings(ca
 
 @pytest.mark.parametrize("start", ["empty", "incomplete"])
 def test_two_rank_run_from_an_empty_or_incomplete_cache(tmp_path, start):
-    from conftest import read_jsonl, torchrun
+    from conftest import torchrun
+    from recipe.metrics import read_jsonl
 
     cache = tmp_path / "cache"
     if start == "incomplete":

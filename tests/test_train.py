@@ -5,7 +5,9 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, cpu_env, read_jsonl, torchrun
+from conftest import REPO, torchrun
+from recipe.launch import rank_env
+from recipe.metrics import read_jsonl
 
 QUICKSTART = "recipe/configs/quickstart.yaml"
 REQUIRED_KEYS = {"step", "generation", "iteration", "loss", "reward_mean", "reward_std", "reward/length",
@@ -29,7 +31,7 @@ def test_plain_process_with_kl_and_two_steps_per_generation(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, *SHORT,
                            "--num_iterations", "2", "--steps_per_generation", "2", "--beta", "0.05",
-                           "--output_dir", str(out)], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
+                           "--output_dir", str(out)], cwd=REPO, env=rank_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
@@ -47,7 +49,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", "29731", "--module", "recipe.train",
                            "--config", QUICKSTART, *SHORT, "--output_dir", str(out)], cwd=REPO,
-                          env=cpu_env(PATH=f"{sys.prefix}/bin:" + cpu_env()["PATH"]), capture_output=True,
+                          env=rank_env(PATH=f"{sys.prefix}/bin:" + rank_env()["PATH"]), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
@@ -69,7 +71,7 @@ def test_quickstart_end_to_end_reward_rises(tmp_path):
     """The README's first command, as on a fresh machine: an empty model cache (CI keeps ~/.cache)."""
     out, cache = tmp_path / "qs", tmp_path / "empty-cache"
     proc = subprocess.run(["bash", "launch/quickstart.sh", "--output_dir", str(out), "--disable_tqdm", "true"],
-                          cwd=REPO, env=cpu_env(VENV_PY=sys.executable, GRPO_RECIPE_CACHE=cache),
+                          cwd=REPO, env=rank_env(VENV_PY=sys.executable, GRPO_RECIPE_CACHE=cache),
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_jsonl(out / "metrics.jsonl")

@@ -4,7 +4,7 @@ Run by grpo.sbatch as `srun --ntasks-per-node=1 python launch/slurm/node.py [rec
 and MASTER_PORT exported. Ranks per node: NPROC_PER_NODE, else the GPUs Slurm gave this node, else 1 CPU rank.
 
 Why not torchrun: it reports any failed worker as exit code 1, and the requeue contract needs the ranks'
-own code (75 = "checkpointed because of a signal, requeue me").
+own code (PREEMPTED_EXIT_CODE, 75 = "checkpointed because of a signal, requeue me").
 
 Signals: Slurm signals every process of the step (USR1 as the time-limit warning, TERM at the end, on
 scancel or preemption), so the ranks receive them directly and nothing is forwarded. This process outlives
@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 
-REQUEUE = 75  # EX_TEMPFAIL: the recipe saved a checkpoint on a signal and wants to be requeued
+from recipe.launch import PREEMPTED_EXIT_CODE  # the recipe saved a checkpoint on a signal: requeue it
 
 
 def gpus_on_node() -> int:
@@ -29,15 +29,9 @@ def gpus_on_node() -> int:
 
 
 def recipe_args(argv: list[str]) -> list[str]:
-    """The user's args, plus `--resume_from_checkpoint $RESUME` once the recipe knows that field."""
+    """The user's args, plus `--resume_from_checkpoint $RESUME` unless they name it themselves."""
     resume = os.environ.get("RESUME", "auto")
     if not resume or any(a.split("=")[0] in ("--resume_from_checkpoint", "--resume-from-checkpoint") for a in argv):
-        return argv
-    from recipe.config import Config
-
-    if "resume_from_checkpoint" not in Config.__dataclass_fields__:
-        if os.environ.get("SLURM_NODEID") == "0":
-            print(f"RESUME={resume} not passed: this recipe has no resume_from_checkpoint", flush=True)
         return argv
     return [*argv, "--resume_from_checkpoint", resume]
 
@@ -69,9 +63,9 @@ def main() -> int:
         code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as a shell reports it
         if code and not rc:
             rc = code
-            # A failed rank leaves its peers stuck in a collective: stop them. Ranks exit 75 only after
+            # A failed rank leaves its peers stuck in a collective: stop them. Ranks exit with PREEMPTED_EXIT_CODE only after
             # their checkpoint is complete, so their peers are left to finish theirs.
-            if code != REQUEUE:
+            if code != PREEMPTED_EXIT_CODE:
                 for p in running.values():
                     p.kill()
     return rc

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from recipe.data import left_pad
 from recipe.engine import device, gathered_for_generation
 from recipe.generation.base import Completions, finish
 
@@ -21,14 +22,8 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seed: int) -> Completions:
-        rows = [p for p in prompt_ids for _ in range(self.cfg.num_generations)]
-        width = max(len(p) for p in rows)
-        ids = torch.full((len(rows), width), self.tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(rows):
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
-        dev = device()
+        ids, attn = left_pad([p for p in prompt_ids for _ in range(self.cfg.num_generations)], self.tok.pad_token_id)
+        width, dev = ids.shape[1], device()
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
                 gathered_for_generation(self.engine) as model:
             torch.manual_seed(seed)
