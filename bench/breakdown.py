@@ -2,9 +2,8 @@
 
 Phases: generate, score (reward functions), old log-probs, forward, backward, optimizer (DeepSpeed's step,
 which includes ZeRO-3's gradient reduce-scatter on the boundary), and everything else (our loop's own
-overhead: batching, buffer, loss math, statistics, logging). `comm_s` is the time inside DeepSpeed's comm
-backend calls (a subset of forward/backward/optimizer: ZeRO-3 gathers and reduces there).
-overhead_share = everything else / total step time.
+overhead: batching, buffer, loss math, statistics, logging). Every phase is the loop's own timer, summed over
+the steps of rank 0's metrics.jsonl (time_<phase>_s). overhead_share = everything else / total step time.
 
     python bench/breakdown.py            # base = the quickstart config, 24 steps
 """
@@ -13,30 +12,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 from common import QUICKSTART, RESULTS, launch, machine, read_metrics, save_json
 
 
+PHASES = ("generate", "score", "old_logp", "forward", "backward", "optimizer")
+
+
 def run(name: str, overrides: list[str], steps: int, nproc: int) -> dict:
     out = RESULTS / "tmp" / "breakdown" / name
-    prefix = out / "timers"
     out.mkdir(parents=True, exist_ok=True)
-    launch(nproc, ["bench/instrumented.py", str(prefix)],
+    launch(nproc, ["-m", "recipe.train"],
            ["--config", QUICKSTART, "--max_steps", str(steps), "--output_dir", str(out), "--save_steps", "0",
             "--disable_tqdm", "true", *overrides], out / "run.log")
     recs = read_metrics(out)
-    ranks = [json.loads((out / f"timers.rank{r}.json").read_text()) for r in range(nproc)]
-    t = {k: statistics.mean(rk["times_s"].get(k, 0.0) for rk in ranks)
-         for k in ("forward", "forward_nograd", "backward", "optimizer_step", "comm")}
     total = sum(r["step_time_s"] for r in recs)
-    phases = {"generate": sum(r["time_generate_s"] for r in recs), "score": sum(r["time_score_s"] for r in recs),
-              "old_logp": sum(r["time_old_logp_s"] for r in recs), "forward": t["forward"],
-              "backward": t["backward"], "optimizer": t["optimizer_step"]}
+    phases = {k: sum(r[f"time_{k}_s"] for r in recs) for k in PHASES}
     phases["everything_else"] = total - sum(phases.values())
     return {"name": name, "overrides": overrides, "steps": steps, "total_s": total,
             "step_time_s": total / len(recs), "phases_s": phases,
-            "shares": {k: v / total for k, v in phases.items()}, "comm_s": t["comm"],
+            "shares": {k: v / total for k, v in phases.items()},
             "overhead_share": phases["everything_else"] / total}
 
 

@@ -32,10 +32,10 @@ def main() -> None:
         for mu in args.mus:
             out = RESULTS / "tmp" / "memory" / f"w{world}_mu{mu}"
             out.mkdir(parents=True, exist_ok=True)
-            launch(world, ["bench/instrumented.py", str(out / "timers")],
+            launch(world, ["bench/instrumented.py", str(out / "memory")],
                    ["--config", QUICKSTART, "--num_iterations", str(mu), "--max_steps", str(args.steps),
                     "--output_dir", str(out), "--save_steps", "0", "--disable_tqdm", "true"], out / "run.log")
-            ranks = [json.loads((out / f"timers.rank{r}.json").read_text()) for r in range(world)]
+            ranks = [json.loads((out / f"memory.rank{r}.json").read_text()) for r in range(world)]
             rows.append({"world_size": world, "mu": mu,
                          "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in ranks],
                          "old_logp_bytes_per_rank": [r["old_logp_bytes"] for r in ranks],

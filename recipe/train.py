@@ -32,7 +32,8 @@ from recipe.reuse import ReuseController
 from recipe.rewards import RewardError, RewardFunc, load_reward_funcs, score
 from recipe.update import StepResult, train_on_rollout
 
-TIMED = ("sync", "generate", "score", "old_logp", "train")  # the Timer's phases, logged as time_<phase>_s
+# the Timer's phases, logged as time_<phase>_s (forward, backward, optimizer: parts of train)
+TIMED = ("sync", "generate", "score", "old_logp", "train", "forward", "backward", "optimizer")
 
 
 @dataclass
