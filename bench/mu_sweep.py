@@ -47,30 +47,7 @@ def main() -> None:
             print(f"mu={mu} seed={seed}: {len(rows)} rollouts, {wall:.0f}s, final reward {rows[-1]['reward']:.2f}",
                   flush=True)
 
-    start = statistics.median(r["rows"][0]["reward"] for r in runs)
-    thresholds = {f: start + f * (0.0 - start) for f in FRACTIONS}
-    summary: dict = {"thresholds": {str(f): t for f, t in thresholds.items()}}
-    for f, thr in thresholds.items():
-        per_mu = {}
-        for mu in args.mus:
-            times = [time_to(r["rows"], thr, SMOOTH) for r in runs if r["mu"] == mu]
-            per_mu[mu] = times
-        speedups = {}
-        for mu in args.mus:
-            ratios = []
-            for seed in args.seeds:
-                t1 = next(time_to(r["rows"], thr, SMOOTH) for r in runs if r["mu"] == 1 and r["seed"] == seed)
-                tm = next(time_to(r["rows"], thr, SMOOTH) for r in runs if r["mu"] == mu and r["seed"] == seed)
-                if tm is not None:
-                    ratios.append(float("inf") if t1 is None else t1 / tm)
-                else:
-                    ratios.append(0.0 if t1 is not None else None)
-            known = [x for x in ratios if x is not None]
-            speedups[str(mu)] = {"median": statistics.median(known) if known else None,
-                                 "min": min(known) if known else None, "max": max(known) if known else None,
-                                 "per_seed": ratios}
-        summary[str(f)] = {"time_to_threshold_s": {str(k): v for k, v in per_mu.items()}, "speedup_vs_mu1": speedups}
-
+    thresholds, summary = summarize(runs, args.mus, args.seeds)
     main_f = str(FRACTIONS[0])
     result = {
         "experiment": "length reward, tiny Qwen2, 2 ranks ZeRO-3 on CPU, same optimizer steps for every mu",
@@ -87,6 +64,34 @@ def main() -> None:
     path = save_json("mu_sweep.json", result)
     plot(runs, args.mus, thresholds, RESULTS / "mu_sweep.png")
     print(f"wrote {path}; speed-up vs mu=1 at f={main_f}: {result['speedup_vs_mu1']}")
+
+
+def summarize(runs: list[dict], mus: list[int], seeds: list[int]) -> tuple[dict, dict]:
+    """Thresholds (per fraction f) and, per f, each mu's time to the threshold and speed-up over mu = 1."""
+    start = statistics.median(r["rows"][0]["reward"] for r in runs)
+    thresholds = {f: start + f * (0.0 - start) for f in FRACTIONS}
+    summary: dict = {"thresholds": {str(f): t for f, t in thresholds.items()}}
+    for f, thr in thresholds.items():
+        per_mu = {}
+        for mu in mus:
+            times = [time_to(r["rows"], thr, SMOOTH) for r in runs if r["mu"] == mu]
+            per_mu[mu] = times
+        speedups = {}
+        for mu in mus:
+            ratios = []
+            for seed in seeds:
+                t1 = next(time_to(r["rows"], thr, SMOOTH) for r in runs if r["mu"] == 1 and r["seed"] == seed)
+                tm = next(time_to(r["rows"], thr, SMOOTH) for r in runs if r["mu"] == mu and r["seed"] == seed)
+                if tm is not None:
+                    ratios.append(float("inf") if t1 is None else t1 / tm)
+                else:
+                    ratios.append(0.0 if t1 is not None else None)
+            known = [x for x in ratios if x is not None]
+            speedups[str(mu)] = {"median": statistics.median(known) if known else None,
+                                 "min": min(known) if known else None, "max": max(known) if known else None,
+                                 "per_seed": ratios}
+        summary[str(f)] = {"time_to_threshold_s": {str(k): v for k, v in per_mu.items()}, "speedup_vs_mu1": speedups}
+    return thresholds, summary
 
 
 def plot(runs, mus, thresholds, path: Path) -> None:

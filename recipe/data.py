@@ -104,7 +104,7 @@ class PromptStream:
         return out
 
     def batch(self, rollout_index: int) -> PromptBatch:
-        rows = self.ds[self.indices(rollout_index)] if len(self.ds) else {}
+        rows = self.ds[self.indices(rollout_index)]  # load_prompt_dataset refuses an empty dataset
         prompts = rows[self.cfg.prompt_column]
         texts = [self.format(p) for p in prompts]
         add_special = not self.use_chat  # a chat template already writes the special tokens

@@ -11,6 +11,16 @@ from conftest import REPO, torchrun
 from recipe.launch import rank_env
 
 
+def assert_plot(path, width, height):
+    """A drawn figure: the PNG of the script's figsize x dpi, with more on it than a blank canvas."""
+    import matplotlib.image
+    import numpy as np
+
+    img = matplotlib.image.imread(path)
+    assert img.shape[:2] == (height, width), img.shape
+    assert len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 20  # lines, markers and text in many shades
+
+
 def bench(tmp_path, script, *args, timeout=600):
     proc = subprocess.run([sys.executable, script, *args], cwd=REPO / "bench", capture_output=True, text=True,
                           env=rank_env(BENCH_RESULTS=tmp_path), timeout=timeout)
@@ -23,7 +33,7 @@ def test_mu_sweep_smoke(tmp_path):
     bench(tmp_path, "mu_sweep.py", "--mus", "1", "2", "--seeds", "0", "--steps", "4")
     r = json.loads((tmp_path / "mu_sweep.json").read_text())
     assert set(r["speedup_vs_mu1"]) == {"1", "2"} and "threshold" in r and "threshold_rule" in r
-    assert (tmp_path / "mu_sweep.png").stat().st_size > 0
+    assert_plot(tmp_path / "mu_sweep.png", 1320, 495)
     assert [len(run["rows"]) for run in r["runs"]] == [4, 2]  # same steps: mu = 2 generated half the rollouts
 
 
@@ -34,6 +44,8 @@ def test_breakdown_smoke(tmp_path):
     shares = r["base"]["shares"]
     assert 0 <= r["overhead_share"] < 1 and abs(sum(shares.values()) - 1) < 1e-6
     assert r["base"]["phases_s"]["forward"] > 0 and r["base"]["phases_s"]["backward"] > 0
+    assert r["base"]["phases_s"]["optimizer"] > 0 and r["base"]["steps"] == 2
+    assert_plot(tmp_path / "breakdown.png", 990, 495)
 
 
 @pytest.mark.slow
@@ -43,13 +55,18 @@ def test_memory_smoke(tmp_path):
     assert r["rows"][0]["peak_rss_mib_per_rank"][0] > 100
     (old,) = r["rows"][0]["old_logp_bytes_per_rank"]
     assert old % (16 * 4) == 0 and 0 < old <= 16 * 32 * 4  # 16 completions x up to 32 tokens, float32
-    assert (tmp_path / "memory.png").stat().st_size > 0
+    assert_plot(tmp_path / "memory.png", 1100, 440)
 
 
 @pytest.mark.slow
 def test_lora_memory_smoke(tmp_path):
     bench(tmp_path, "lora_memory.py", "--models", "tiny", "--out", str(tmp_path / "lora_memory.json"))
-    assert json.loads((tmp_path / "lora_memory.json").read_text())
+    r = json.loads((tmp_path / "lora_memory.json").read_text())["models"]["tiny"]
+    full, lora = r["full"], r["lora"]
+    assert [row["rank"] for row in full] == [row["rank"] for row in lora] == [0, 1]
+    # the tiny model of README's LoRA table: every parameter vs the r = 16 adapters only
+    assert full[0]["params_trainable"] == 361_600 and lora[0]["params_trainable"] == 65_536
+    assert 0 < r["lora_over_full_rank0"]["optimizer_state_bytes"] < 0.25
 
 
 def test_metrics_tail_parses_only_complete_new_lines(tmp_path):
@@ -83,7 +100,7 @@ def test_reuse_regimes_smoke(tmp_path):
     assert 0 < reg["generation_share_mu1"] < 1 and 1 <= reg["variants"]["4+kl5e-4"]["passes_used_mean"] <= 4
     for run in r["runs"]:  # each run trained for its whole budget (start-up excluded) and was then stopped
         assert run["rows"][-1]["time_s"] <= 45 * 0.08 + 5
-    assert (tmp_path / "reuse_trl_lr1e-3.png").stat().st_size > 0
+    assert_plot(tmp_path / "reuse_trl_lr1e-3.png", 770, 495)
 
 
 @pytest.mark.slow
@@ -106,4 +123,4 @@ def test_vs_trl_smoke(tmp_path):
           "--set", "max_completion_length=8", timeout=1200)
     r = json.loads((tmp_path / "vs_trl.json").read_text())
     assert r["trl_version"] == "1.16.0" and r["step_time_ratio"] > 0
-    assert (tmp_path / "vs_trl.png").stat().st_size > 0
+    assert_plot(tmp_path / "vs_trl.png", 1000, 800)  # one mu: the summary column and that mu's

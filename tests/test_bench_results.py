@@ -1,0 +1,95 @@
+"""The committed benchmark results follow from their own raw data under the current summarizing code: each
+summary in bench/results/*.json, recomputed from the runs stored beside it, comes out the same."""
+import json
+import math
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+RESULTS = REPO / "bench" / "results"
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def as_json(x):
+    """What json.dump of x reads back as (int keys become strings, tuples lists, inf Infinity)."""
+    return json.loads(json.dumps(x))
+
+
+def test_mu_sweep_summary():
+    import mu_sweep
+
+    r = load("mu_sweep.json")
+    seeds = list(dict.fromkeys(run["seed"] for run in r["runs"]))
+    mus = [run["mu"] for run in r["runs"] if run["seed"] == seeds[0]]  # the first seed runs them unrotated
+    thresholds, summary = mu_sweep.summarize(r["runs"], mus, seeds)
+    f = mu_sweep.FRACTIONS[0]
+    assert as_json(summary) == r["summary"]
+    assert thresholds[f] == r["threshold"] and r["threshold_fraction"] == f
+    assert as_json({mu: v["median"] for mu, v in summary[str(f)]["speedup_vs_mu1"].items()}) == r["speedup_vs_mu1"]
+
+
+def test_reuse_regimes_summary():
+    import reuse_regimes
+
+    r = load("reuse_regimes.json")
+    summary = reuse_regimes.summarize(r["runs"])
+    assert as_json(summary) == r["regimes"]
+    speedups = {reg: {v: {f: row[f]["median"] for f in map(str, reuse_regimes.FRACTIONS)}
+                      for v, row in s["variants"].items()} for reg, s in summary.items()}
+    assert as_json(speedups) == r["speedup_vs_mu1"]
+
+
+def test_vs_trl_summary():
+    import vs_trl_logs
+
+    r = load("vs_trl.json")
+    summary = vs_trl_logs.summarize(r["runs"], r["config"]["mus"])
+    assert as_json(summary["by_mu"]) == r["by_mu"]
+    for key in ("step_time_ratio", "rollout_time_ratio", "generate_time_ratio"):
+        assert summary[key] == r[key]
+
+
+def test_breakdown_shares():
+    r = load("breakdown.json")
+    for run in [r["base"], *r["grid"]]:
+        total = run["total_s"]
+        assert sum(run["phases_s"].values()) == pytest.approx(total, rel=1e-12)
+        assert run["shares"] == {k: v / total for k, v in run["phases_s"].items()}
+        assert run["overhead_share"] == run["phases_s"]["everything_else"] / total
+    assert r["overhead_share"] == r["base"]["overhead_share"]
+
+
+def test_memory_and_lora_memory_summaries():
+    r = load("memory.json")
+    old = {(row["world_size"], row["mu"]): max(row["old_logp_bytes_per_rank"]) for row in r["rows"]}
+    worlds, mus = sorted({w for w, _ in old}), sorted({m for _, m in old})
+    constant = all(old[(w, m)] == old[(worlds[0], m)] for w in worlds for m in mus)
+    assert constant == r["old_logp_bytes_constant_per_rank_across_world_sizes"]
+    for model in load("lora_memory.json")["models"].values():
+        full, lora = model["full"][0], model["lora"][0]
+        assert model["lora_over_full_rank0"] == {k: lora[k] / full[k] for k in model["lora_over_full_rank0"]}
+
+
+def test_vllm_vs_hf_ratios():
+    for name in ("vllm_vs_hf.json", "vllm_vs_hf_long.json"):
+        r = load(name)
+        for backend in ("hf", "vllm"):
+            assert r[backend]["tokens_per_s"] == r[backend]["tokens"] / r[backend]["seconds"]
+        assert r["vllm_speedup"] == r["vllm"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
+
+
+def test_smollm2_arith_gains():
+    r = load("smollm2_arith.json")
+    for key in ("eval", "confirm"):
+        e = r[key]
+        assert e["gain"] == e["accuracy_after"] - e["accuracy_before"]
+        assert e["gain_stderr_unpaired"] == math.sqrt(e["stderr_before"] ** 2 + e["stderr_after"] ** 2)
+        b, c = e["paired"]["only_after_right"], e["paired"]["only_before_right"]
+        n, k = b + c, min(b, c)
+        assert e["paired"]["mcnemar_exact_p"] == min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
