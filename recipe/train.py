@@ -172,10 +172,12 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             # adaptive reuse: after a finished pass, maybe skip the rest of this rollout
             reuse.observe(done.stats)
             skip_rest = reuse.enabled and done.last_in_pass and reuse.pass_done()
-            state.step, state.old_logp_forwards = state.step + 1, state.old_logp_forwards + done.old_logp_forwards
-            last_step = (cfg.num_iterations - 1, cfg.steps_per_generation - 1)
+            state.step += 1
+            state.old_logp_forwards += done.old_logp_forwards
+            last_step = (cfg.num_iterations - 1, cfg.steps_per_generation - 1)  # skipped passes count as done
             state.position = last_step if skip_rest else (done.pass_index, done.step_index)
-            state.reuse, now = reuse.state_dict(), time.perf_counter()
+            state.reuse = reuse.state_dict()
+            now = time.perf_counter()
             records.append(step_record(run, state, done, timer, now - last))
             last = now
             if state.step % cfg.logging_steps == 0 or state.step == cfg.max_steps:
