@@ -26,6 +26,12 @@ class ConfigError(ValueError):
     """A bad config value; the message names the field."""
 
 
+def need(ok: bool, msg: str) -> None:
+    """A config check: raise ConfigError(msg) unless ok."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 @dataclass
 class Config:
     # --- model -------------------------------------------------------------------------
@@ -229,10 +235,6 @@ def looks_like_file(name: str) -> bool:
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
     need(cfg.num_generations >= 2, f"num_generations: must be >= 2 (group advantages need a group), got {cfg.num_generations}")
     need(cfg.num_iterations >= 1, f"num_iterations: mu must be >= 1, got {cfg.num_iterations}")
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",

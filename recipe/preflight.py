@@ -12,22 +12,17 @@ from pathlib import Path
 
 import torch
 
-from recipe.config import Config, ConfigError, looks_like_file, resolve_path
+from recipe.config import Config, ConfigError, looks_like_file, need, resolve_path
 from recipe.generation.vllm import VLLMUnavailable, check_available
 from recipe.rewards import RewardError, load_reward_funcs
 from recipe.tiny import BUILTIN_MODELS, ensure_builtin
 
 
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
-
-
 def preflight(cfg: Config) -> None:
     """Raise a ConfigError naming the field whose file, model, backend or reward function is unusable here."""
-    _need(resolve_path(cfg.deepspeed_config).is_file(), f"deepspeed_config: file not found: {cfg.deepspeed_config}")
+    need(resolve_path(cfg.deepspeed_config).is_file(), f"deepspeed_config: file not found: {cfg.deepspeed_config}")
     if looks_like_file(cfg.dataset_name):
-        _need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
+        need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
     folder = model_folder(cfg.model_name_or_path)
     if cfg.generation_backend == "vllm":
         check_vllm(cfg, folder)
@@ -40,11 +35,11 @@ def preflight(cfg: Config) -> None:
 def model_folder(model: str) -> Path | None:
     """The model's local folder (a built-in one built now), or None for a hub name."""
     if model.startswith("builtin:"):
-        _need(model in BUILTIN_MODELS, f"model_name_or_path: unknown built-in {model!r} (have {', '.join(BUILTIN_MODELS)})")
+        need(model in BUILTIN_MODELS, f"model_name_or_path: unknown built-in {model!r} (have {', '.join(BUILTIN_MODELS)})")
         return ensure_builtin(model)
     if model.startswith((".", "/", "~")) or resolve_path(model).exists():
         folder = resolve_path(os.path.expanduser(model))
-        _need(folder.is_dir(), f"model_name_or_path: folder not found: {model}")
+        need(folder.is_dir(), f"model_name_or_path: folder not found: {model}")
         return folder
     return None
 
@@ -52,7 +47,7 @@ def model_folder(model: str) -> Path | None:
 def check_vllm(cfg: Config, folder: Path | None) -> None:
     """Whether vLLM can serve this model here: installed, and a head size its CPU kernels support."""
     cuda = torch.cuda.is_available()
-    _need(not cfg.vllm_enable_sleep_mode or cuda, "vllm_enable_sleep_mode: needs a GPU (vLLM has no sleep mode on CPU)")
+    need(not cfg.vllm_enable_sleep_mode or cuda, "vllm_enable_sleep_mode: needs a GPU (vLLM has no sleep mode on CPU)")
     config_json = folder / "config.json" if folder is not None and (folder / "config.json").is_file() else None
     try:
         check_available(config_json, cuda)  # a hub model's head size is checked when vLLM loads it

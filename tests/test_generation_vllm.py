@@ -7,7 +7,7 @@ import os
 import pytest
 
 from conftest import torchrun
-from recipe.metrics import read_jsonl
+from recipe.metrics import read_jsonl, reward_quarters
 from recipe.config import ConfigError, load_config
 from recipe.preflight import preflight
 from recipe.generation.vllm import CPU_HEAD_SIZES, VLLMUnavailable, check_cpu_head_size
@@ -100,7 +100,5 @@ def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     assert all(abs(r["is_ratio_mean"] - 1.0) < 1e-3 for r in records), [r["is_ratio_mean"] for r in records]
     # completions that stopped early kept their EOS (without it every one would count as truncated)
     assert min(r["truncated_fraction"] for r in records) < 1.0
-    q = len(records) // 4
-    first = sum(r["reward_mean"] for r in records[:q]) / q
-    last = sum(r["reward_mean"] for r in records[-q:]) / q
+    first, last = reward_quarters(records)
     assert last > first + 3.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"

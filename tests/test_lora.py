@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import REPO, torchrun
-from recipe.metrics import read_jsonl
+from recipe.metrics import read_jsonl, reward_quarters
 from dist_lora import CASE, PROBE, PROMPTS
 from dist_update import BASE, local_buffer
 from recipe.config import Config, ConfigError, load_config
@@ -270,9 +270,7 @@ def test_quickstart_lora_end_to_end_reward_rises(tmp_path, tiny_model_dir):
     cfg = load_config(["--config", str(REPO / QUICKSTART_LORA)])
     records = read_jsonl(out / "metrics.jsonl")
     assert len(records) == cfg.max_steps and REQUIRED_KEYS <= set(records[0])
-    q = len(records) // 4
-    first = sum(r["reward_mean"] for r in records[:q]) / q
-    last = sum(r["reward_mean"] for r in records[-q:]) / q
+    first, last = reward_quarters(records)
     assert last > first + 5.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
     # The adapter and the merged model saved by the run agree with each other. Compared in float64, so that
     # the forward's own fp32 rounding (3.9e-5 was seen at this run's logit scale) does not count: what is

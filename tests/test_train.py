@@ -7,7 +7,7 @@ import torch
 
 from conftest import REPO, torchrun
 from recipe.launch import rank_env
-from recipe.metrics import read_jsonl
+from recipe.metrics import read_jsonl, reward_quarters
 
 QUICKSTART = "recipe/configs/quickstart.yaml"
 REQUIRED_KEYS = {"step", "generation", "iteration", "loss", "reward_mean", "reward_std", "reward/length",
@@ -76,9 +76,7 @@ def test_quickstart_end_to_end_reward_rises(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
     assert len(records) == 160 and REQUIRED_KEYS <= set(records[0])
-    q = len(records) // 4
-    first = sum(r["reward_mean"] for r in records[:q]) / q
-    last = sum(r["reward_mean"] for r in records[-q:]) / q
+    first, last = reward_quarters(records)
     assert last > first + 5.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
     assert {r["iteration"] for r in records} == {0, 1, 2, 3}
     assert records[-1]["old_logp_forwards"] == 0

@@ -1,8 +1,5 @@
-"""Generation backends behind one small interface (`base.py`); the training loop never asks which one it has.
-
-    generate(prompt_ids, seed) -> Completions   # num_generations samples per prompt, group-contiguous
-    sync(engine)                                # make the backend see the engine's current weights
-    close()
+"""Generation backends behind one small interface (`base.py`: generate, sync, close): `hf.py` and `vllm.py`.
+`build_generator` picks the config's; the training loop never asks which one it has.
 """
 from __future__ import annotations
 
