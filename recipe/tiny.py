@@ -65,8 +65,9 @@ def missing_files(folder: Path) -> list[str]:
     from safetensors import safe_open
 
     missing = []
-    try:
-        json.loads((folder / "config.json").read_text())
+    try:  # `architectures` is how AutoModel users (TRL, vLLM) pick the class
+        if not json.loads((folder / "config.json").read_text()).get("architectures"):
+            missing.append("config.json's architectures")
     except (OSError, ValueError):
         missing.append("config.json")
     try:
@@ -84,6 +85,7 @@ def save_model(model, folder: Path) -> None:
     them only on rank 0 once a process group exists; the tokenizer it writes everywhere)."""
     from safetensors.torch import save_file
 
+    model.config.architectures = [type(model).__name__]  # save_pretrained would add it; config alone does not
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     state, seen = {}, set()

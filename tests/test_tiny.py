@@ -44,6 +44,13 @@ def test_incomplete_cache_folder_is_rebuilt_complete(cache, capfd):
     (target / "model.safetensors").write_bytes(b"\0" * 64)  # torn weights
     tiny.ensure_builtin("builtin:tiny-qwen2")
     assert tiny.missing_files(target) == []
+    config = json.loads((target / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]  # TRL and vLLM pick the class from it
+    del config["architectures"]
+    (target / "config.json").write_text(json.dumps(config))
+    assert tiny.missing_files(target) == ["config.json's architectures"]
+    tiny.ensure_builtin("builtin:tiny-qwen2")
+    assert tiny.missing_files(target) == []
 
 
 def test_saved_weights_load_back_identical_with_tied_head_named_as_embeddings(cache):
