@@ -19,6 +19,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+LORA_SYNC_MODES = ("merged", "adapter")  # how a LoRA policy reaches vLLM (generation/vllm_lora.py)
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -65,6 +66,7 @@ class Config:
     vllm_max_model_len: int | None = None  # None = max_prompt_length + max_completion_length
     vllm_kv_cache_mib: int | None = None  # None: GPU sizes it from the utilization, CPU fits one rollout
     vllm_importance_sampling_cap: float | None = None  # truncated IS correction of sampler drift; None = off
+    vllm_lora_sync: str = "merged"  # with use_peft: merged (base + delta, reload_weights) or adapter (vLLM's LoRA)
     # --- rewards -----------------------------------------------------------------------
     # Each entry: a built-in name ("length", "accuracy"), "module:function" or "path/file.py:function",
     # or a mapping {func: ..., weight: 1.0, kwargs: {...}}.
@@ -262,9 +264,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.max_grad_norm >= 0.0, f"max_grad_norm: must be >= 0, got {cfg.max_grad_norm}")
     need(cfg.generation_backend in ("hf", "vllm"),
          f"generation_backend: must be hf or vllm, got {cfg.generation_backend!r}")
-    need(not (cfg.use_peft and cfg.generation_backend == "vllm"),
-         "generation_backend: vllm does not take LoRA weights yet (use_peft: true); use generation_backend: hf, "
-         "which generates with the adapter merged")
+    need(cfg.vllm_lora_sync in LORA_SYNC_MODES,
+         f"vllm_lora_sync: must be one of {', '.join(LORA_SYNC_MODES)}, got {cfg.vllm_lora_sync!r}")
     need(str(cfg.bf16).lower() in ("auto", "true", "false"), f"bf16: must be auto, true or false, got {cfg.bf16!r}")
     need(str(cfg.chat_template).lower() in ("auto", "true", "false"),
          f"chat_template: must be auto, true or false, got {cfg.chat_template!r}")

@@ -64,7 +64,7 @@ class ReferencePolicy:
             return self.engine(*args, **kwargs)
 
 
-def _lora_layers(model) -> list[tuple[str, torch.nn.Module, bool]]:
+def lora_layers(model) -> list[tuple[str, torch.nn.Module, bool]]:
     """(name, layer, tied) for each LoRA layer; tied = its base weight is shared with another module.
 
     A tied weight (e.g. an lm_head tied to the input embeddings) cannot take a merge: the other module would
@@ -90,7 +90,7 @@ def merged_adapter(model, restore: bool = True):
     """
     merged, saved, unmerged = [], [], {}
     try:
-        for name, layer, tied in _lora_layers(model):
+        for name, layer, tied in lora_layers(model):
             weight = layer.get_base_layer().weight
             if tied:
                 unmerged[name] = "its weight is tied to another module's"
@@ -136,7 +136,7 @@ def merged_model(peft_model, adapter_dir: Path):
     base = AutoModelForCausalLM.from_pretrained(peft_model.peft_config["default"].base_model_name_or_path,
                                                 dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter_dir)
-    for _, layer, tied in _lora_layers(model):
+    for _, layer, tied in lora_layers(model):
         if tied:  # e.g. an adapted lm_head tied to the input embeddings: untie, or the merge would change both
             base_layer = layer.get_base_layer()
             base_layer.weight = torch.nn.Parameter(base_layer.weight.detach().clone(), requires_grad=False)

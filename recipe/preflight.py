@@ -14,6 +14,7 @@ import torch
 
 from recipe.config import Config, ConfigError, looks_like_file, need, resolve_path
 from recipe.generation.vllm import VLLMUnavailable, check_available
+from recipe.generation.vllm_lora import check_adapter_mode
 from recipe.rewards import RewardError, load_reward_funcs
 from recipe.tiny import BUILTIN_MODELS, ensure_builtin
 
@@ -45,11 +46,14 @@ def model_folder(model: str) -> Path | None:
 
 
 def check_vllm(cfg: Config, folder: Path | None) -> None:
-    """Whether vLLM can serve this model here: installed, and a head size its CPU kernels support."""
+    """Whether vLLM can serve this model here: installed, a head size its CPU kernels support, and with
+    `vllm_lora_sync: adapter` its LoRA support on this platform."""
     cuda = torch.cuda.is_available()
     need(not cfg.vllm_enable_sleep_mode or cuda, "vllm_enable_sleep_mode: needs a GPU (vLLM has no sleep mode on CPU)")
     config_json = folder / "config.json" if folder is not None and (folder / "config.json").is_file() else None
     try:
         check_available(config_json, cuda)  # a hub model's head size is checked when vLLM loads it
+        if cfg.use_peft and cfg.vllm_lora_sync == "adapter":
+            check_adapter_mode(cfg)
     except VLLMUnavailable as e:
         raise ConfigError(str(e)) from None

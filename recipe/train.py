@@ -24,6 +24,7 @@ from recipe.checkpoint import CheckpointError, Checkpointer
 from recipe.config import Config, ConfigError, load_config
 from recipe.data import DataError, PromptStream, load_prompt_dataset
 from recipe.generation import Generator, build_generator
+from recipe.generation.vllm import VLLMUnavailable
 from recipe.launch import PREEMPTED_EXIT_CODE
 from recipe.loss import group_advantages
 from recipe.metrics import MetricsLogger, Timer, read_jsonl, reward_quarters
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run, state = setup(cfg)
-    except (DataError, CheckpointError) as e:
+    except (DataError, CheckpointError, VLLMUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -114,7 +114,8 @@ def engine_greedy(gen, prompts):
         dist.all_gather_object(parts, prompts)
         mine = slice(dist.get_rank() * len(prompts), (dist.get_rank() + 1) * len(prompts))
         prompts = [p for part in parts for p in part]
-    outs = gen.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)[mine]
+    outs = gen.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+                            lora_request=gen.adapter.request if gen.adapter else None)[mine]
     return finish([list(o.outputs[0].token_ids) for o in outs], gen.tok.eos_token_id, gen.tok,
                   gen.cfg.max_completion_length).ids
 

