@@ -16,12 +16,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from dist_vllm import engine_greedy, gen_greedy, hf_greedy
+from dist_vllm import engine_greedy, gen_greedy, grpo_round, hf_greedy
 from recipe import engine as eng
-from recipe.buffer import RolloutBuffer
 from recipe.config import Config
 from recipe.generation import build_generator
-from recipe.update import normalizers, train_step
 
 SYNCS, CHECKED = 10, (0, 1, 9)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -66,11 +64,7 @@ def main():
     base_before = {k: v for k, v in gathered_state(engine).items() if ".lora_" not in k}
     rounds = []
     for r in range(SYNCS):
-        comp = gen.generate(prompts, seed=100 * r + rank)
-        buf = RolloutBuffer.build([p for p in prompts for _ in range(2)], comp.ids, torch.tensor([1.0, -1.0] * 2),
-                                  comp.mask, tok.pad_token_id, order_seed=r, sampling_logps=comp.logps)
-        stats = train_step(engine, None, buf, buf.schedule(0, 1, 4)[0], normalizers(buf, cfg, world)[0, 0].item(),
-                           cfg, capture_old_logps=False)
+        stats = grpo_round(gen, engine, tok, prompts, r)
         if r not in CHECKED:
             gen.sync(engine)
             continue

@@ -42,6 +42,16 @@ def plain_copy(engine, path, cfg):
     return model
 
 
+def grpo_round(gen, engine, tok, prompts, r):
+    """A real GRPO step on a fresh rollout of 2 samples per prompt (the advantages only need to move the weights)."""
+    comp = gen.generate(prompts, seed=100 * r + dist.get_rank())
+    advantages = torch.tensor([1.0, -1.0] * len(prompts))
+    buf = RolloutBuffer.build([p for p in prompts for _ in range(2)], comp.ids, advantages, comp.mask,
+                              tok.pad_token_id, order_seed=r, sampling_logps=comp.logps)
+    (step,) = train_on_rollout(engine, None, buf, gen.cfg)  # mu = 1, one step: the whole rollout
+    return step.stats
+
+
 def main():
     out, tp = sys.argv[1], int(sys.argv[2])
     rank, world = eng.init_distributed()
@@ -66,12 +76,7 @@ def main():
     flags = {"greedy_before_training": gen_greedy(gen, prompts) == init_greedy}
     logp_err, results = 0.0, []
     for r in range(ROUNDS):
-        # a real GRPO step on this rollout (the advantages only need to move the weights)
-        comp = gen.generate(prompts, seed=100 * r + rank)
-        buf = RolloutBuffer.build([p for p in prompts for _ in range(2)], comp.ids, torch.tensor([1.0, -1.0] * 2),
-                                  comp.mask, tok.pad_token_id, order_seed=r, sampling_logps=comp.logps)
-        (step,) = train_on_rollout(engine, None, buf, cfg)  # mu = 1, one step: the whole rollout
-        stats = step.stats
+        stats = grpo_round(gen, engine, tok, prompts, r)
         trained = hf_greedy(plain_copy(engine, path, cfg), tok, prompts, cfg.max_completion_length)
         stale = engine_greedy(gen, prompts)  # straight to vLLM: generate() would sync a stale engine itself
         chunks[0] = 0

@@ -202,9 +202,10 @@ class AdapterSync:
         expected = llm.collective_rpc(_expected_modules)[0]
         names = {n.rsplit(".", 1)[-1] for n, _, _ in lora_layers(engine.module) if n not in self.vocab}
         if names - expected:
-            raise VLLMUnavailable(f"vllm_lora_sync: adapter: vLLM's LoRA cannot adapt {', '.join(sorted(names - expected))} "
-                                  f"in this model (it can: {', '.join(sorted(expected))}); use vllm_lora_sync: merged "
-                                  f"or change lora_target_modules")
+            raise VLLMUnavailable(f"vllm_lora_sync: adapter: vLLM's LoRA cannot adapt "
+                                  f"{', '.join(sorted(names - expected))} in this model (it can: "
+                                  f"{', '.join(sorted(expected))}); use vllm_lora_sync: merged or change "
+                                  f"lora_target_modules")
 
     def load(self, engine, chunk_numel: int) -> int:
         """Collective. Returns the bytes handed to vLLM."""
