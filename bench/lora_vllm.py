@@ -1,6 +1,6 @@
 """LoRA into vLLM: `vllm_lora_sync: merged` vs `adapter`, per sync (bytes, seconds) and per rollout (generation).
 
-    python bench/lora_vllm.py [--models tiny qwen05b] [--rollouts 6] [--reps 2] [--out bench/results/lora_vllm.json]
+    python bench/lora_vllm.py [--models tiny qwen05b] [--rollouts N] [--reps 2] [--out bench/results/lora_vllm.json]
 
 For each model, each mode runs as its own `torchrun --nproc_per_node 2` job (a vLLM engine is built for one mode),
 the modes alternating within each repetition. A job builds everything with the recipe's own setup (ZeRO-3 LoRA
@@ -10,13 +10,15 @@ depend on), one sync (timed; the bytes handed to vLLM counted), one rollout of s
 Models: `tiny` is the LoRA quickstart (builtin:tiny-qwen2, its adapter on every linear and the tied output head);
 `qwen05b` is a model shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads, vocabulary 151936,
 tied embeddings; 494M parameters, 2 GB in fp32), built from a config with random weights (no download) and
-saved once under ~/.cache/grpo_recipe, with a rank-16 adapter on every linear (`all-linear`).
+saved once under ~/.cache/grpo_recipe/lora-vllm-qwen2.5-0.5b-shape, with a rank-16 adapter on every linear
+(`all-linear`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -31,9 +33,9 @@ MODES = ("merged", "adapter")
 QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
                rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}, rms_norm_eps=1e-6)
-MODELS = {  # recipe overrides per model (on top of recipe/configs/quickstart_lora.yaml)
-    "tiny": [],
-    "qwen05b": ["--lora_target_modules", "[all-linear]", "--max_completion_length", "64"],
+MODELS = {  # recipe overrides per model (on top of recipe/configs/quickstart_lora.yaml), measured rollouts per job
+    "tiny": ([], 6),
+    "qwen05b": (["--lora_target_modules", "[all-linear]", "--max_completion_length", "64"], 2),
 }
 
 
@@ -44,8 +46,8 @@ def qwen05b_folder() -> Path:
 
     from recipe.tiny import ensure_builtin
 
-    folder = Path(os.path.expanduser("~/.cache/grpo_recipe/bench-qwen2.5-0.5b-shape"))
-    if (folder / "config.json").is_file():
+    folder = Path(os.path.expanduser("~/.cache/grpo_recipe/lora-vllm-qwen2.5-0.5b-shape"))
+    if (folder / "tokenizer_config.json").is_file():  # written last, and the folder appears only when complete
         return folder
     tiny = ensure_builtin("builtin:tiny-qwen2")
     base = AutoConfig.from_pretrained(tiny)
@@ -53,7 +55,7 @@ def qwen05b_folder() -> Path:
                         pad_token_id=base.pad_token_id, **QWEN05B)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(tiny).save_pretrained(tmp)
     os.replace(tmp, folder)  # complete or absent
@@ -82,7 +84,7 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
     from recipe import train
     from recipe.config import load_config
 
-    extra = MODELS[model] + (["--model_name_or_path", str(qwen05b_folder())] if model == "qwen05b" else [])
+    extra = MODELS[model][0] + (["--model_name_or_path", str(qwen05b_folder())] if model == "qwen05b" else [])
     cfg = load_config(["--config", "recipe/configs/quickstart_lora.yaml", "--generation_backend", "vllm",
                        "--vllm_lora_sync", mode, "--output_dir", tempfile.mkdtemp(prefix="bench_lora_vllm_"), *extra])
     t0 = time.perf_counter()
@@ -106,7 +108,8 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
             tokens += comp.mask.sum().item()
             sync_bytes = c.generator.last_sync_bytes
     # the ranks run side by side: seconds are the slowest rank's, tokens the sum
-    secs = torch.tensor([sum(sync_s), sum(gen_s), startup], dtype=torch.float64)
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    secs = torch.tensor([sum(sync_s), sum(gen_s), startup, peak_rss_mib], dtype=torch.float64)
     dist.all_reduce(secs, op=dist.ReduceOp.MAX)
     tok = torch.tensor([tokens], dtype=torch.float64)
     dist.all_reduce(tok)
@@ -114,6 +117,7 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
               "sync_bytes_per_rank": sync_bytes, "sync_s": secs[0].item() / rollouts,
               "generate_s": secs[1].item() / rollouts, "tokens_per_rollout": tok.item() / rollouts,
               "tokens_per_s": tok.item() / secs[1].item(), "startup_s": secs[2].item(),
+              "peak_rss_mib_per_rank": secs[3].item(),
               "rollout_s": (secs[0].item() + secs[1].item()) / rollouts,
               "completions_per_rank": cfg.completions_per_rollout, "max_completion_length": cfg.max_completion_length,
               "lora_r": cfg.lora_r, "lora_target_modules": cfg.lora_target_modules}
@@ -128,13 +132,20 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
 # ------------------------------------------------------------------------------------------
 def summarize(runs: list[dict]) -> dict:
     """Medians over repetitions per model and mode, and adapter / merged ratios (< 1: adapter is cheaper)."""
-    keys = ("sync_bytes_per_rank", "sync_s", "generate_s", "tokens_per_s", "rollout_s", "startup_s")
+    keys = ("sync_bytes_per_rank", "sync_s", "generate_s", "tokens_per_s", "rollout_s", "startup_s",
+            "peak_rss_mib_per_rank")
     out = {}
     for model in dict.fromkeys(r["model"] for r in runs):
         modes = {m: {k: statistics.median(r[k] for r in runs if r["model"] == model and r["mode"] == m)
                      for k in keys} for m in MODES}
         ratio = {k: modes["adapter"][k] / modes["merged"][k] for k in keys if modes["merged"][k]}
-        out[model] = {**modes, "adapter_over_merged": ratio,
+        # Rollout time ~ sync + tokens x seconds per token: adapter mode wins below this many tokens per rollout.
+        tokens = statistics.median(r["tokens_per_rollout"] for r in runs if r["model"] == model)
+        per_token = {m: modes[m]["generate_s"] / tokens for m in MODES}
+        extra = per_token["adapter"] - per_token["merged"]
+        saved = modes["merged"]["sync_s"] - modes["adapter"]["sync_s"]
+        out[model] = {**modes, "adapter_over_merged": ratio, "tokens_per_rollout": tokens,
+                      "adapter_faster_below_tokens_per_rollout": saved / extra if extra > 0 else None,
                       "faster_per_rollout": "adapter" if ratio["rollout_s"] < 1 else "merged"}
     return out
 
@@ -143,7 +154,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--rollouts", type=int, default=6, help="measured rollouts per job (after one warm-up)")
+    p.add_argument("--rollouts", type=int, default=None,
+                   help="measured rollouts per job, after one warm-up (default: tiny 6, qwen05b 2)")
     p.add_argument("--reps", type=int, default=2, help="jobs per model and mode (the modes alternate)")
     p.add_argument("--out", default=None, help="result JSON (default: bench/results/lora_vllm.json)")
     p.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "OUT"), help=argparse.SUPPRESS)
@@ -159,7 +171,8 @@ def main() -> None:
         for rep in range(args.reps):
             for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
                 out = logs / f"{model}_{mode}_{rep}.json"
-                launch(2, [str(REPO / "bench" / "lora_vllm.py"), "--rollouts", str(args.rollouts)],
+                rollouts = args.rollouts or MODELS[model][1]
+                launch(2, [str(REPO / "bench" / "lora_vllm.py"), "--rollouts", str(rollouts)],
                        ["--worker", model, mode, str(out)], logs / f"{model}_{mode}_{rep}.log")
                 runs.append({**json.loads(out.read_text()), "rep": rep})
                 print(json.dumps(runs[-1]), flush=True)

