@@ -15,6 +15,7 @@ untouched embeddings, and starts from the training engine's weights (a dummy loa
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 
@@ -140,16 +141,14 @@ def _chunks(units: list, chunk_numel: int) -> Iterator[list]:
         yield chunk
 
 
+@contextlib.contextmanager
 def _gathered(params: list):
-    import contextlib
-
+    """The full tensors of `params` (each once) on every rank; released to their shards on exit."""
     import deepspeed
 
     unique = list({id(p): p for p in params}.values())
-    stack = contextlib.ExitStack()
-    stack.enter_context(deepspeed.zero.GatheredParameters(unique, modifier_rank=None))
-    stack.enter_context(torch.no_grad())
-    return stack
+    with deepspeed.zero.GatheredParameters(unique, modifier_rank=None), torch.no_grad():
+        yield
 
 
 def _param(model, name: str) -> torch.Tensor:
