@@ -83,37 +83,39 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
 
     from recipe import train
     from recipe.config import load_config
+    from recipe.preflight import preflight
 
     extra = MODELS[model][0] + (["--model_name_or_path", str(qwen05b_folder())] if model == "qwen05b" else [])
     cfg = load_config(["--config", "recipe/configs/quickstart_lora.yaml", "--generation_backend", "vllm",
                        "--vllm_lora_sync", mode, "--output_dir", tempfile.mkdtemp(prefix="bench_lora_vllm_"), *extra])
+    preflight(cfg)  # as recipe.train.main: before the process group starts
     t0 = time.perf_counter()
-    c = train.setup(cfg)
+    run, _ = train.setup(cfg)  # engine, prompt stream and the vLLM generator, exactly as the recipe builds them
     startup = time.perf_counter() - t0
     sync_s, gen_s, tokens, sync_bytes = [], [], 0.0, 0
     for r in range(rollouts + 1):  # rollout 0 warms up and is not counted
-        new_adapter_values(c.engine, c.rank, r)
+        new_adapter_values(run.engine, run.rank, r)
         dist.barrier()
         t = time.perf_counter()
-        c.generator.sync(c.engine)
+        run.generator.sync(run.engine)
         dt_sync = time.perf_counter() - t
-        batch = c.stream.batch(r)
+        batch = run.stream.batch(r)
         dist.barrier()
         t = time.perf_counter()
-        comp = c.generator.generate(batch.prompt_ids, seed=(cfg.seed + (r * c.world + c.rank) * 1000) % 2**31)
+        comp = run.generator.generate(batch.prompt_ids, seed=(cfg.seed + (r * run.world + run.rank) * 1000) % 2**31)
         dt_gen = time.perf_counter() - t
         if r > 0:
             sync_s.append(dt_sync)
             gen_s.append(dt_gen)
             tokens += comp.mask.sum().item()
-            sync_bytes = c.generator.last_sync_bytes
+            sync_bytes = run.generator.last_sync_bytes
     # the ranks run side by side: seconds are the slowest rank's, tokens the sum
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     secs = torch.tensor([sum(sync_s), sum(gen_s), startup, peak_rss_mib], dtype=torch.float64)
     dist.all_reduce(secs, op=dist.ReduceOp.MAX)
     tok = torch.tensor([tokens], dtype=torch.float64)
     dist.all_reduce(tok)
-    result = {"model": model, "mode": mode, "rollouts": rollouts, "ranks": c.world,
+    result = {"model": model, "mode": mode, "rollouts": rollouts, "ranks": run.world,
               "sync_bytes_per_rank": sync_bytes, "sync_s": secs[0].item() / rollouts,
               "generate_s": secs[1].item() / rollouts, "tokens_per_rollout": tok.item() / rollouts,
               "tokens_per_s": tok.item() / secs[1].item(), "startup_s": secs[2].item(),
@@ -121,10 +123,10 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
               "rollout_s": (secs[0].item() + secs[1].item()) / rollouts,
               "completions_per_rank": cfg.completions_per_rollout, "max_completion_length": cfg.max_completion_length,
               "lora_r": cfg.lora_r, "lora_target_modules": cfg.lora_target_modules}
-    if c.rank == 0:
+    if run.rank == 0:
         Path(out).write_text(json.dumps(result) + "\n")
     dist.barrier()
-    c.generator.close()  # last: vLLM's shutdown tears the process group down
+    run.generator.close()  # last: vLLM's shutdown tears the process group down
 
 
 # ------------------------------------------------------------------------------------------

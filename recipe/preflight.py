@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 
 from recipe.config import Config, ConfigError, looks_like_file, need, resolve_path
-from recipe.generation.vllm import VLLMUnavailable, check_available
-from recipe.generation.vllm_lora import check_adapter_mode
+from recipe.generation.vllm import VLLMUnavailable, check_adapter_mode, check_available
 from recipe.rewards import RewardError, load_reward_funcs
 from recipe.tiny import BUILTIN_MODELS, ensure_builtin
 

@@ -93,3 +93,10 @@ def test_smollm2_arith_gains():
         b, c = e["paired"]["only_after_right"], e["paired"]["only_before_right"]
         n, k = b + c, min(b, c)
         assert e["paired"]["mcnemar_exact_p"] == min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
+def test_lora_vllm_summary():
+    import lora_vllm
+
+    r = load("lora_vllm.json")
+    assert as_json(lora_vllm.summarize(r["runs"])) == r["summary"]

@@ -8,8 +8,10 @@ import signal
 import pytest
 import torch
 
-from conftest import read_jsonl, torchrun
+from conftest import torchrun
 from recipe.config import Config, ConfigError, load_config
+from recipe.metrics import read_jsonl, reward_quarters
+from recipe.preflight import preflight
 from test_checkpoint import comparable, signal_tree, start, wait_for_step
 from test_generation_vllm import needs_vllm
 
@@ -66,8 +68,7 @@ def test_quickstart_lora_with_vllm_learns_and_resumes_bit_identically_after_sigk
     assert [x["weight_syncs"] for x in records] == [x["generation"] for x in records]
     assert all((x["time_sync_s"] > 0) == (x["iteration"] == 0 and x["generation"] > 0) for x in records)
     assert all(abs(x["is_ratio_mean"] - 1.0) < 1e-3 for x in records), [x["is_ratio_mean"] for x in records]
-    q = len(records) // 4
-    first, last = (sum(x["reward_mean"] for x in part) / q for part in (records[:q], records[-q:]))
+    first, last = reward_quarters(records)
     assert last > first + 5.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
     # the same run, killed in the middle of a rollout's passes and resumed from its checkpoint
     out = tmp_path / "out"
@@ -91,8 +92,8 @@ def test_quickstart_lora_with_vllm_learns_and_resumes_bit_identically_after_sigk
 def test_adapter_mode_rank_beyond_vllm_is_a_config_error():
     with pytest.raises(ConfigError, match=r"^vllm_lora_sync: adapter holds LoRA ranks up to 512 in vLLM, lora_r is "
                                           r"1024; use vllm_lora_sync: merged$"):
-        load_config(["--use_peft", "true", "--generation_backend", "vllm", "--vllm_lora_sync", "adapter",
-                     "--lora_r", "1024"])
+        preflight(load_config(["--use_peft", "true", "--generation_backend", "vllm", "--vllm_lora_sync", "adapter",
+                               "--lora_r", "1024"]))
 
 
 @needs_vllm
@@ -106,5 +107,5 @@ def test_adapter_mode_without_vllm_lora_on_the_platform_is_a_config_error(monkey
     monkeypatch.setattr(type(current_platform), "get_punica_wrapper", classmethod(no_lora))
     with pytest.raises(ConfigError, match=r"^vllm_lora_sync: adapter needs vLLM's LoRA support, which vLLM lacks on "
                                           r"this platform \(cpu\); use vllm_lora_sync: merged$"):
-        load_config(["--use_peft", "true", "--generation_backend", "vllm", "--vllm_lora_sync", "adapter"])
-    load_config(["--use_peft", "true", "--generation_backend", "vllm", "--vllm_lora_sync", "merged"])  # fine
+        preflight(load_config(["--use_peft", "true", "--generation_backend", "vllm", "--vllm_lora_sync", "adapter"]))
+    preflight(load_config(["--use_peft", "true", "--generation_backend", "vllm", "--vllm_lora_sync", "merged"]))

@@ -54,6 +54,21 @@ def check_available(config_path: Path | None, cuda: bool) -> None:
         check_cpu_head_size(config_path)
 
 
+def check_adapter_mode(cfg) -> None:
+    """`vllm_lora_sync: adapter` needs vLLM's LoRA kernels on this platform and a rank vLLM can hold."""
+    top = vllm_lora.MAX_LORA_RANKS[-1]
+    if cfg.lora_r > top:
+        raise VLLMUnavailable(f"vllm_lora_sync: adapter holds LoRA ranks up to {top} in vLLM, lora_r is "
+                              f"{cfg.lora_r}; use vllm_lora_sync: merged")
+    from vllm.platforms import current_platform
+
+    try:
+        current_platform.get_punica_wrapper()  # vLLM's LoRA kernels for this platform
+    except NotImplementedError:
+        raise VLLMUnavailable(f"vllm_lora_sync: adapter needs vLLM's LoRA support, which vLLM lacks on this "
+                              f"platform ({current_platform.device_name}); use vllm_lora_sync: merged") from None
+
+
 def check_cpu_head_size(config_path: Path) -> None:
     conf = json.loads(Path(config_path).read_text())
     conf = conf.get("text_config", conf)
@@ -141,6 +156,11 @@ class VLLMGenerator:
         self.adapter = None
         if cfg.use_peft and cfg.vllm_lora_sync == "adapter":
             self.adapter = vllm_lora.AdapterSync(self.llm, engine, cfg)
+            if self.adapter.unservable:
+                raise VLLMUnavailable(f"vllm_lora_sync: adapter: vLLM's LoRA cannot adapt "
+                                      f"{', '.join(self.adapter.unservable)} in this model (it can: "
+                                      f"{', '.join(sorted(self.adapter.servable))}); use vllm_lora_sync: merged "
+                                      f"or change lora_target_modules")
         if lora_opts.get("load_format") == "dummy":  # untied for a LoRA layer on a tied matrix: vLLM starts
             # from the engine's weights (no file holds the untied head); adapter mode merges only that matrix
             self._reload(engine, merge=self.adapter.vocab.__contains__ if self.adapter else None)

@@ -34,24 +34,8 @@ def hf_name(peft_name: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# checks (before any engine exists) and engine options
+# engine options
 # ------------------------------------------------------------------------------------------
-def check_adapter_mode(cfg) -> None:
-    """Adapter mode needs vLLM's LoRA on this platform and a rank vLLM can hold; raise VLLMUnavailable (one line)."""
-    from recipe.generation.vllm import VLLMUnavailable
-
-    if cfg.lora_r > MAX_LORA_RANKS[-1]:
-        raise VLLMUnavailable(f"vllm_lora_sync: adapter holds LoRA ranks up to {MAX_LORA_RANKS[-1]} in vLLM, "
-                              f"lora_r is {cfg.lora_r}; use vllm_lora_sync: merged")
-    from vllm.platforms import current_platform
-
-    try:
-        current_platform.get_punica_wrapper()  # vLLM's LoRA kernels for this platform
-    except NotImplementedError:
-        raise VLLMUnavailable(f"vllm_lora_sync: adapter needs vLLM's LoRA support, which vLLM lacks on this "
-                              f"platform ({current_platform.device_name}); use vllm_lora_sync: merged") from None
-
-
 def vocab_layer_names(model) -> set[str]:
     """LoRA layers on the input or output embedding matrix (written merged in adapter mode)."""
     vocab = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
@@ -193,18 +177,12 @@ class AdapterSync:
     """Adapter mode: per sync, the adapter's tensors (and merged vocabulary matrices, if adapted) into vLLM."""
 
     def __init__(self, llm, engine, cfg):
-        from recipe.generation.vllm import VLLMUnavailable
-
         self.llm, self.cfg = llm, cfg
         self.vocab = vocab_layer_names(engine.module)
         self.request, self.lora_id = None, 0  # None: the adapter still starts as a no-op (B = 0)
-        expected = llm.collective_rpc(_expected_modules)[0]
+        self.servable = llm.collective_rpc(_expected_modules)[0]
         names = {n.rsplit(".", 1)[-1] for n, _, _ in lora_layers(engine.module) if n not in self.vocab}
-        if names - expected:
-            raise VLLMUnavailable(f"vllm_lora_sync: adapter: vLLM's LoRA cannot adapt "
-                                  f"{', '.join(sorted(names - expected))} in this model (it can: "
-                                  f"{', '.join(sorted(expected))}); use vllm_lora_sync: merged or change "
-                                  f"lora_target_modules")
+        self.unservable = sorted(names - self.servable)  # the generator refuses to start with any
 
     def load(self, engine, chunk_numel: int) -> int:
         """Collective. Returns the bytes handed to vLLM."""
