@@ -1,19 +1,26 @@
 """Reward functions: built-ins, user functions by name or file, weighting, output validation.
 
-A reward function has TRL's signature: `fn(prompts, completions, **columns) -> list[float]`, where
-`columns` holds every dataset column of the batch (e.g. `answer=[...]`) plus the spec's `kwargs`.
+A reward function has TRL's signature: `fn(prompts, completions, completion_ids, **columns) -> list`, where
+`columns` holds every dataset column of the batch but the prompt column (e.g. `answer=[...]`) plus the
+spec's `kwargs`. Prompts are as in the dataset; when they are conversational (lists of messages), each
+completion is a list holding one assistant message, as in TRL. `async def` functions run concurrently.
+A value of None means "not applicable to this sample": the total is the weighted sum over the others.
 Bad output stops the run at once with a RewardError naming the function and the sample index.
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from recipe.math_answers import answers_match, completion_answer, reference_answer
 
 
 class RewardError(RuntimeError):
@@ -23,19 +30,42 @@ class RewardError(RuntimeError):
 # ---------------------------------------------------------------------------------------
 # built-ins
 # ---------------------------------------------------------------------------------------
+def completion_text(completion) -> str:
+    """The text of a completion: itself, or the content of a conversational completion's last message."""
+    if isinstance(completion, list):
+        return str(completion[-1]["content"]) if completion else ""
+    return str(completion)
+
+
+def _answers(name: str, columns: dict, answer_column: str | None) -> list:
+    column = answer_column or next((c for c in ("answer", "solution") if c in columns), "answer")
+    if column not in columns:
+        raise RewardError(f"reward {name!r}: dataset has no column {column!r} (have {sorted(columns)}); "
+                          "name it with kwargs: {answer_column: ...}")
+    return columns[column]
+
+
 def length(prompts, completions, target_chars: int = 60, **_) -> list[float]:
     """The reference experiment's reward: -|target_chars - len(completion)|."""
-    return [-abs(target_chars - len(c)) for c in completions]
+    return [-abs(target_chars - len(completion_text(c))) for c in completions]
 
 
-def accuracy(prompts, completions, answer_column: str = "answer", **columns) -> list[float]:
-    """1.0 when the stripped completion equals the stripped answer, else 0.0."""
-    if answer_column not in columns:
-        raise RewardError(f"reward 'accuracy': dataset has no column {answer_column!r} (have {sorted(columns)})")
-    return [float(str(c).strip() == str(a).strip()) for c, a in zip(completions, columns[answer_column])]
+def accuracy(prompts, completions, answer_column: str | None = None, **columns) -> list[float]:
+    """1.0 when the stripped completion equals the stripped answer (exact text), else 0.0."""
+    answers = _answers("accuracy", columns, answer_column)
+    return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, answers)]
 
 
-BUILTINS: dict[str, Callable] = {"length": length, "accuracy": accuracy}
+def math_accuracy(prompts, completions, answer_column: str | None = None, **columns) -> list[float]:
+    """1.0 when the completion's final answer (last \\boxed{}, `#### N`, "answer is N", else the last number)
+    equals the reference numerically (a GSM8K solution's `#### N` included), else 0.0. The reference is the
+    `answer` column (`solution` when there is none), or `answer_column`."""
+    answers = _answers("math_accuracy", columns, answer_column)
+    return [float(answers_match(completion_answer(completion_text(c)), reference_answer(str(a))))
+            for c, a in zip(completions, answers)]
+
+
+BUILTINS: dict[str, Callable] = {"length": length, "accuracy": accuracy, "math_accuracy": math_accuracy}
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,6 +136,7 @@ def load_reward_funcs(specs: list) -> list[RewardFunc]:
 # scoring
 # ---------------------------------------------------------------------------------------
 def _validate(name: str, out: Any, n: int) -> torch.Tensor:
+    """The function's values as a float tensor, NaN where it returned None (not applicable)."""
     if isinstance(out, torch.Tensor):
         out = out.detach().cpu().flatten().tolist()
     elif hasattr(out, "tolist"):  # numpy
@@ -116,25 +147,73 @@ def _validate(name: str, out: Any, n: int) -> torch.Tensor:
         raise RewardError(f"reward {name!r} returned {len(out)} values for {n} completions")
     values = []
     for i, v in enumerate(out):
-        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise RewardError(f"reward {name!r} returned {v!r} at sample {i}, expected a float")
+        if v is None:
+            values.append(math.nan)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RewardError(f"reward {name!r} returned {v!r} at sample {i}, expected a float or None")
         if not math.isfinite(v):
             raise RewardError(f"reward {name!r} returned {v} at sample {i}")
         values.append(float(v))
     return torch.tensor(values, dtype=torch.float32)
 
 
-def score(funcs: list[RewardFunc], prompts: list[str], completions: list[str],
-          columns: dict[str, list]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Total weighted reward per completion, and each function's raw values (for logging)."""
-    per_func: dict[str, torch.Tensor] = {}
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One loop for the whole run, so async clients a reward module keeps (bound to a loop) stay usable."""
+    global _LOOP
+    if _LOOP is None or _LOOP.is_closed():
+        _LOOP = asyncio.new_event_loop()
+    return _LOOP
+
+
+def _call_all(funcs: list[RewardFunc], inputs: dict) -> dict[str, Any]:
+    """Each function's raw output. Plain functions run in turn; awaitables (async def) run concurrently."""
+    outs: dict[str, Any] = {}
+    pending: dict[str, Any] = {}
     for f in funcs:
         try:
-            out = f.fn(prompts=prompts, completions=completions, **columns, **f.kwargs)
+            out = f.fn(**{**inputs, **f.kwargs})
         except RewardError:
             raise
         except Exception as e:
             raise RewardError(f"reward {f.name!r} raised {type(e).__name__}: {e}") from e
-        per_func[f.name] = _validate(f.name, out, len(completions))
-    total = sum(f.weight * per_func[f.name] for f in funcs)
-    return total, per_func
+        (pending if inspect.isawaitable(out) else outs)[f.name] = out
+    if pending:
+        async def gather():
+            return await asyncio.gather(*pending.values(), return_exceptions=True)
+
+        for name, out in zip(pending, _event_loop().run_until_complete(gather())):
+            if isinstance(out, RewardError):
+                raise out
+            if isinstance(out, BaseException):
+                raise RewardError(f"reward {name!r} raised {type(out).__name__}: {out}") from out
+            outs[name] = out
+    return outs
+
+
+def is_conversational(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def score(funcs: list[RewardFunc], prompts: list, completions: list[str], columns: dict[str, list],
+          completion_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Total weighted reward per completion, and each function's raw values (NaN where not applicable).
+
+    `completions` are texts; for conversational prompts they reach the functions as [assistant message].
+    """
+    if prompts and is_conversational(prompts[0]):
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    inputs = {**columns, "prompts": prompts, "completions": completions,
+              "completion_ids": completion_ids if completion_ids is not None else [[] for _ in completions]}
+    outs = _call_all(funcs, inputs)
+    per_func = {f.name: _validate(f.name, outs[f.name], len(completions)) for f in funcs}
+    values = torch.stack([f.weight * per_func[f.name] for f in funcs])
+    missing = values.isnan().all(dim=0)
+    if missing.any():
+        i = int(missing.nonzero()[0])
+        raise RewardError(f"no reward function applies to sample {i}: every one returned None "
+                          f"({', '.join(f.name for f in funcs)})")
+    return values.nansum(dim=0), per_func

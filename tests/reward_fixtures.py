@@ -1,4 +1,6 @@
 """Reward functions used by the tests (good and bad)."""
+import asyncio
+
 import numpy as np
 import torch
 
@@ -29,3 +31,44 @@ def has_none(prompts, completions, **kw):
 
 def not_a_list(prompts, completions, **kw):
     return 1.0
+
+
+def none_for_odd(prompts, completions, **kw):
+    """Applies to even samples only."""
+    return [None if i % 2 else 10.0 for i in range(len(completions))]
+
+
+def always_none(prompts, completions, **kw):
+    return [None] * len(completions)
+
+
+def echo_inputs(prompts, completions, completion_ids, **columns):
+    """Records what a reward function receives (for the calling-convention test)."""
+    RECEIVED.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns})
+    return [0.0] * len(completions)
+
+
+RECEIVED: list[dict] = []
+_STARTED: dict[str, asyncio.Event] = {}  # cleared by the test that uses it
+
+
+async def _wait_for_partner(me: str, partner: str, n: int) -> list[float]:
+    """Signals that it started, then waits (bounded) until its partner has started too: awaited one after
+    the other, the first would time out, because its partner cannot start before it returns."""
+    for name in (me, partner):
+        _STARTED.setdefault(name, asyncio.Event())
+    _STARTED[me].set()
+    await asyncio.wait_for(_STARTED[partner].wait(), timeout=30)
+    return [1.0] * n
+
+
+async def async_a(prompts, completions, **kw):
+    return await _wait_for_partner("a", "b", len(completions))
+
+
+async def async_b(prompts, completions, **kw):
+    return await _wait_for_partner("b", "a", len(completions))
+
+
+async def async_raises(prompts, completions, **kw):
+    raise KeyError("missing")

@@ -1,8 +1,11 @@
-"""Rewards: built-ins, user functions by module or file, weights, and named errors on bad output."""
+"""Rewards: built-ins, user functions by module or file, weights, TRL's calling convention, async functions,
+None as "not applicable", and named errors on bad output."""
+import math
 
 import pytest
 import torch
 
+import tests.reward_fixtures as fixtures
 from recipe.rewards import RewardError, length, load_reward_funcs, score
 
 
@@ -34,7 +37,7 @@ def test_module_function_and_numpy_or_tensor_outputs():
     ("raises", "reward 'raises' raised ZeroDivisionError"),
     ("wrong_count", "reward 'wrong_count' returned 1 values for 3 completions"),
     ("has_nan", "reward 'has_nan' returned nan at sample 1"),
-    ("has_none", "reward 'has_none' returned None at sample 2"),
+    ("always_none", "no reward function applies to sample 0"),
     ("not_a_list", "reward 'not_a_list' returned float"),
 ])
 def test_bad_reward_output_names_function_and_sample(fn, message):
@@ -47,7 +50,51 @@ def test_bad_reward_output_names_function_and_sample(fn, message):
 def test_accuracy_without_answer_column():
     funcs = load_reward_funcs(["accuracy"])
     with pytest.raises(RewardError, match="no column 'answer'"):
-        score(funcs, ["p"], ["a"], {"solution": ["a"]})
+        score(funcs, ["p"], ["a"], {"reference": ["a"]})
+    assert score(funcs, ["p"], ["a"], {"solution": ["a"]})[0].tolist() == [1.0]  # TRL's column name
+    funcs = load_reward_funcs([{"func": "accuracy", "kwargs": {"answer_column": "reference"}}])
+    assert score(funcs, ["p"], ["a"], {"reference": ["a"]})[0].tolist() == [1.0]
+
+
+def test_trl_calling_convention_plain_and_conversational():
+    fixtures.RECEIVED.clear()
+    funcs = load_reward_funcs(["tests.reward_fixtures:echo_inputs", "length"])
+    score(funcs, ["p1", "p2"], ["a", "bb"], {"answer": ["1", "2"]}, completion_ids=[[5, 0], [6, 7, 0]])
+    chat = [[{"role": "user", "content": "p1"}]] * 2
+    total, per = score(funcs, chat, ["a", "bb"], {"answer": ["1", "2"]}, completion_ids=[[5, 0], [6, 7, 0]])
+    plain, conv = fixtures.RECEIVED
+    assert plain == {"prompts": ["p1", "p2"], "completions": ["a", "bb"], "completion_ids": [[5, 0], [6, 7, 0]],
+                     "answer": ["1", "2"]}
+    assert conv["prompts"] == chat
+    assert conv["completions"] == [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "bb"}]]
+    assert per["length"].tolist() == [-59.0, -58.0]  # built-ins read a message's content
+
+
+def test_none_means_not_applicable():
+    funcs = load_reward_funcs([{"func": "tests.reward_fixtures:none_for_odd", "weight": 2.0},
+                               {"func": "length", "weight": 0.5, "kwargs": {"target_chars": 0}}])
+    total, per = score(funcs, ["p"] * 4, ["a", "bb", "ccc", "dddd"], {})
+    assert per["none_for_odd"][0].item() == 10.0 and math.isnan(per["none_for_odd"][1].item())
+    # even samples: both apply; odd samples: only length's weighted value
+    assert total.tolist() == [20.0 - 0.5, -1.0, 20.0 - 1.5, -2.0]
+
+
+def test_async_rewards_run_concurrently():
+    """Each of the two waits until the other has started: awaited one after the other, the first times out."""
+    fixtures._STARTED.clear()
+    funcs = load_reward_funcs(["tests.reward_fixtures:async_a", "tests.reward_fixtures:async_b", "length"])
+    total, per = score(funcs, ["p"] * 2, ["x", "y"], {})
+    assert per["async_a"].tolist() == [1.0, 1.0] and per["async_b"].tolist() == [1.0, 1.0]
+    with pytest.raises(RewardError, match="reward 'async_raises' raised KeyError"):
+        score(load_reward_funcs(["tests.reward_fixtures:async_raises"]), ["p"], ["x"], {})
+
+
+def test_math_accuracy_reads_gsm8k_solutions_and_messages():
+    funcs = load_reward_funcs(["math_accuracy"])
+    chat = [[{"role": "user", "content": "q"}]] * 3
+    total, _ = score(funcs, chat, ["so \\boxed{72}", "#### 71", "It is 72."],
+                     {"answer": ["48/2 = <<48/2=24>>24.\n#### 72"] * 3})
+    assert total.tolist() == [1.0, 0.0, 1.0]
 
 
 @pytest.mark.parametrize("spec, message", [
