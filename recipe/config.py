@@ -20,7 +20,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 LORA_SYNC_MODES = ("merged", "adapter")  # how a LoRA policy reaches vLLM (generation/vllm_lora.py)
-DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# Endings that make dataset_name a local file (so a missing one is "file not found", not a hub lookup);
+# any format `datasets` reads is loaded, these are only the common ones.
+DATA_SUFFIXES = {".jsonl", ".json", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow", ".txt", ".xml",
+                 ".gz", ".bz2", ".xz", ".zst", ".zip"}
 
 
 class ConfigError(ValueError):
@@ -48,9 +51,12 @@ class Config:
     save_merged: bool = False  # also write OUTPUT_DIR/final-merged, the full model with the adapter merged
     # --- data --------------------------------------------------------------------------
     dataset_name: str = "recipe/data/tldr_prompts.jsonl"  # a local jsonl/json/parquet/csv file or a hub name
+    dataset_config: str | None = None
     dataset_split: str = "train"
     prompt_column: str = "prompt"
+    system_prompt: str | None = None
     chat_template: str | bool = "auto"  # auto = use the tokenizer's chat template when it has one
+    chat_template_kwargs: dict = field(default_factory=dict)
     max_prompt_length: int = 256
     # --- generation --------------------------------------------------------------------
     generation_backend: str = "hf"  # hf (transformers generate on the engine's weights) or vllm
@@ -150,6 +156,10 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
         if not isinstance(value, list):
             value = [value]
         return value
+    if origin is dict or typ is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        return value
     for a in allowed:
         if a is bool and isinstance(value, bool):
             return value
@@ -233,7 +243,7 @@ def resolve_path(path: str) -> Path:
 
 
 def looks_like_file(name: str) -> bool:
-    return Path(name).suffix in DATA_EXTENSIONS or os.sep in name and Path(name).suffix != ""
+    return bool(set(Path(name).suffixes) & DATA_SUFFIXES) or os.sep in name and Path(name).suffix != ""
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:

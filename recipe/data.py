@@ -6,11 +6,12 @@ stream, rank r its own contiguous slice. Nothing but the rollout index needs sav
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from recipe.config import DATA_EXTENSIONS, Config, looks_like_file, resolve_path
+from recipe.config import Config, resolve_path
 
 
 class DataError(ValueError):
@@ -29,37 +30,105 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, attn
 
 
+# Names the reward functions receive as arguments: a dataset column of that name would collide with them.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:400]
+
+
+def _field_named_by(message: str) -> str:
+    """Which field a `datasets` loading error is about, so the one-line message names it."""
+    low = message.lower()
+    if "split" in low or "slice" in low:
+        return "dataset_split"
+    return "dataset_config" if "config" in low else "dataset_name"
+
+
 def load_prompt_dataset(cfg: Config):
+    """The prompt dataset: a local file in any format `datasets` reads, a local dataset folder (data files,
+    a README.md with `configs:`, or a `save_to_disk` folder), or a hub dataset; `dataset_split` may slice."""
     import datasets
 
     datasets.disable_progress_bars()
-    name = cfg.dataset_name
-    if looks_like_file(name) or resolve_path(name).is_file():
-        path = resolve_path(name)
-        builder = DATA_EXTENSIONS.get(path.suffix)
-        if builder is None:
-            raise DataError(f"dataset_name: unsupported file type {path.suffix!r} (use {', '.join(DATA_EXTENSIONS)})")
-        try:
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
-        except Exception as e:
-            raise DataError(f"dataset_name: cannot read {name}: {type(e).__name__}: {e}") from e
-    else:
-        try:
-            ds = datasets.load_dataset(name, split=cfg.dataset_split)
-        except Exception as e:
-            raise DataError(f"dataset_name: cannot load {name!r} split {cfg.dataset_split!r}: {e}") from e
-    if cfg.prompt_column not in ds.column_names:
-        raise DataError(f"prompt_column: dataset {name} has no column {cfg.prompt_column!r} (has {ds.column_names})")
+    name, config, split = cfg.dataset_name, cfg.dataset_config, cfg.dataset_split
+    path = resolve_path(os.path.expanduser(name))
+    where = f"{name!r}" + (f" config {config!r}" if config else "") + f" split {split!r}"
+    try:
+        if path.is_file():
+            if config:
+                raise DataError(f"dataset_config: {name} is a single file, it has no configs (got {config!r})")
+            # the folder-based loader infers the format from the file's extension (compressed ones too)
+            ds = datasets.load_dataset(str(path.parent.resolve()), data_files=path.name, split=split)
+        elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+            ds = _load_saved(path, split)
+        else:
+            ds = datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split)
+    except DataError:
+        raise
+    except Exception as e:
+        msg = _one_line(e)
+        raise DataError(f"{_field_named_by(msg)}: cannot load {where}: {type(e).__name__}: {msg}") from e
+    check_columns(ds, cfg.prompt_column, name)
     if len(ds) == 0:
-        raise DataError(f"dataset_name: {name} has no rows")
+        raise DataError(f"dataset_split: {where} has no rows")
     return ds
+
+
+def _load_saved(path, split: str):
+    """A `Dataset.save_to_disk` / `DatasetDict.save_to_disk` folder, with the same split syntax."""
+    import datasets
+
+    saved = datasets.load_from_disk(str(path))
+    if isinstance(saved, datasets.Dataset):
+        saved = datasets.DatasetDict({"train": saved})
+    instruction = datasets.ReadInstruction.from_spec(split)
+    sizes = {k: len(v) for k, v in saved.items()}
+    parts = []
+    for rel in instruction.to_absolute(sizes):
+        parts.append(saved[rel.splitname].select(range(rel.from_, rel.to)))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def check_columns(ds, prompt_column: str, name: str) -> None:
+    """The prompt column exists and holds text or chat messages; no column collides with a reward argument."""
+    import datasets
+
+    if prompt_column not in ds.column_names:
+        raise DataError(f"prompt_column: dataset {name} has no column {prompt_column!r} (has {ds.column_names})")
+    clash = [c for c in ds.column_names if c in RESERVED_COLUMNS]
+    if clash:
+        raise DataError(f"dataset_name: column(s) {clash} of {name} collide with the reward functions' arguments "
+                        f"{list(RESERVED_COLUMNS)}; rename them")
+    feature = ds.features[prompt_column]
+    text = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+    mixed = type(feature).__name__ == "Json"  # rows of different shapes: each row is checked when it is used
+    if not (text or mixed or _holds_messages(feature)):
+        raise DataError(f"prompt_column: column {prompt_column!r} of {name} holds {feature}, expected text or a "
+                        "list of chat messages ({role, content})")
+
+
+def _holds_messages(feature) -> bool:
+    """A list feature (datasets.List / Sequence, or [feature]) of {role, content, ...} records."""
+    inner = feature[0] if isinstance(feature, list) and feature else getattr(feature, "feature", None)
+    return isinstance(inner, dict) and {"role", "content"} <= set(inner)
+
+
+def _check_prompt(prompt, row: int, column: str) -> None:
+    if not prompt:
+        raise DataError(f"prompt_column: row {row} of column {column!r} is empty")
+    if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
+        raise DataError(f"prompt_column: row {row} of column {column!r} is {type(prompt).__name__} {prompt!r:.80}, "
+                        "expected text or a list of chat messages ({role, content})")
 
 
 @dataclass
 class PromptBatch:
     prompts: list  # as in the dataset (strings or chat messages), one per prompt
     prompt_ids: list[list[int]]
-    columns: dict[str, list]  # every dataset column, one value per prompt
+    columns: dict[str, list]  # every dataset column but the prompt column, one value per prompt
     num_truncated: int
 
     def repeat(self, g: int) -> "PromptBatch":
@@ -78,6 +147,9 @@ class PromptStream:
         if mode == "true" and not has_template:
             raise DataError("chat_template: true, but the tokenizer has no chat template")
         self.use_chat = has_template and mode != "false"
+        if cfg.chat_template_kwargs and not self.use_chat:
+            raise DataError("chat_template_kwargs: given, but no chat template is applied "
+                            f"(chat_template: {cfg.chat_template}, tokenizer template: {'yes' if has_template else 'none'})")
         self._perms: dict[int, torch.Tensor] = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -87,12 +159,18 @@ class PromptStream:
         return self._perms[epoch]
 
     def format(self, prompt) -> str:
+        """The text the model continues: chat-templated messages (system prompt first), or the plain prompt."""
+        system = self.cfg.system_prompt
         if self.use_chat:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+            if system and messages[0].get("role") != "system":  # a row's own system message wins
+                messages.insert(0, {"role": "system", "content": system})
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                **self.cfg.chat_template_kwargs)
         if isinstance(prompt, list):
-            raise DataError("prompt_column holds chat messages, but chat templates are off or missing")
-        return str(prompt)
+            raise DataError(f"prompt_column: {self.cfg.prompt_column!r} holds chat messages, but no chat template "
+                            "is applied (chat_template: false, or the tokenizer has none)")
+        return f"{system}\n\n{prompt}" if system else str(prompt)
 
     def indices(self, rollout_index: int) -> list[int]:
         n, per_rank = len(self.ds), self.cfg.prompts_per_rollout
@@ -104,8 +182,12 @@ class PromptStream:
         return out
 
     def batch(self, rollout_index: int) -> PromptBatch:
-        rows = self.ds[self.indices(rollout_index)]  # load_prompt_dataset refuses an empty dataset
-        prompts = rows[self.cfg.prompt_column]
+        indices = self.indices(rollout_index)
+        rows = self.ds[indices]
+        column = self.cfg.prompt_column
+        prompts = rows.pop(column)
+        for i, p in zip(indices, prompts):
+            _check_prompt(p, i, column)
         texts = [self.format(p) for p in prompts]
         add_special = not self.use_chat  # a chat template already writes the special tokens
         ids = self.tok(texts, add_special_tokens=add_special)["input_ids"]
@@ -114,4 +196,4 @@ class PromptStream:
         ids = [list(x[-limit:]) for x in ids]  # keep the end: it holds the question and the answer cue
         if any(len(x) == 0 for x in ids):
             raise DataError("a prompt tokenized to zero tokens; check prompt_column")
-        return PromptBatch(prompts, ids, dict(rows), truncated)
+        return PromptBatch(list(prompts), ids, dict(rows), truncated)

@@ -72,7 +72,7 @@ def evaluate(model_path: str, data: str, reward: str = DEFAULT_REWARD, prompt_co
     completions = greedy(model, tok, [stream.format(p) for p in prompts], max_new_tokens, batch_size,
                          add_special=not stream.use_chat)
     seconds = time.perf_counter() - t0
-    scores, _ = score(funcs, prompts, completions, dict(rows))
+    scores, _ = score(funcs, prompts, completions, {k: v for k, v in rows.items() if k != prompt_column})
     right = (scores >= threshold).float()
     n, acc = len(right), right.mean().item()
     return {"model": model_path, "data": data, "reward": reward, "n": n, "correct": int(right.sum().item()),

@@ -1,4 +1,6 @@
-"""Prompt data: file formats, chat template, left truncation and padding, rank shards, epoch order."""
+"""Prompt data: file formats, dataset configs and split slices, chat template, system prompt and template
+kwargs, conversational prompts, left truncation and padding, rank shards, epoch order, named column errors."""
+import gzip
 import json
 
 import pytest
@@ -60,15 +62,105 @@ def test_left_truncation_is_counted(tmp_path, tok):
     assert tok.decode(longest).endswith("END")  # the end of the prompt is kept
 
 
-@pytest.mark.parametrize("fmt", ["csv", "parquet", "json"])
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "json", "tsv", "jsonl.gz", "saved"])
 def test_other_file_formats(tmp_path, tok, fmt):
     import datasets
 
     ds = datasets.Dataset.from_list([{"question": f"q{i}"} for i in range(4)])
     path = tmp_path / f"p.{fmt}"
-    getattr(ds, f"to_{fmt}")(str(path))
+    if fmt == "tsv":
+        ds.to_csv(str(path), sep="\t", index=False)
+    elif fmt == "jsonl.gz":
+        path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in ds.to_list()).encode()))
+    elif fmt == "saved":  # a save_to_disk folder
+        datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(path))
+    else:
+        getattr(ds, f"to_{fmt}")(str(path))
     cfg = cfg_for(path, prompt_column="question")
-    assert len(load_prompt_dataset(cfg)) == 4
+    assert load_prompt_dataset(cfg)["question"][:] == ["q0", "q1", "q2", "q3"]
+    assert load_prompt_dataset(cfg_for(path, prompt_column="question", dataset_split="train[1:3]"))["question"][:] \
+        == ["q1", "q2"]
+
+
+def write_two_config_dataset(folder):
+    """A local dataset folder whose README.md lists two configs, as hub datasets such as GSM8K do."""
+    for config, rows in (("main", ["m0", "m1", "m2", "m3"]), ("socratic", ["s0", "s1"])):
+        (folder / config).mkdir(parents=True)
+        write_jsonl(folder / config / "train.jsonl", [{"question": q, "answer": "#### 1"} for q in rows])
+    (folder / "README.md").write_text("""---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train.jsonl
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train.jsonl
+---
+Two configs, like openai/gsm8k (main, socratic).
+""")
+    return folder
+
+
+def test_dataset_config_picks_the_config_and_split_slices(tmp_path):
+    folder = write_two_config_dataset(tmp_path / "gsm")
+    load = lambda **kw: load_prompt_dataset(cfg_for(folder, prompt_column="question", **kw))["question"][:]  # noqa: E731
+    assert load(dataset_config="socratic") == ["s0", "s1"]
+    assert load(dataset_config="main") == ["m0", "m1", "m2", "m3"]
+    assert load(dataset_config="main", dataset_split="train[:50%]") == ["m0", "m1"]
+    assert load(dataset_config="main", dataset_split="train[-1:]") == ["m3"]
+    with pytest.raises(DataError, match=r"^dataset_config: .*pick one among the available configs: \['main', 'socratic'\]"):
+        load()
+    with pytest.raises(DataError, match=r"^dataset_config: .*'nope' not found"):
+        load(dataset_config="nope")
+    with pytest.raises(DataError, match=r"^dataset_split: .*Unknown split \"test\""):
+        load(dataset_config="main", dataset_split="test")
+    with pytest.raises(DataError, match=r"^dataset_config: .* is a single file"):
+        load_prompt_dataset(cfg_for(folder / "main" / "train.jsonl", prompt_column="question", dataset_config="main"))
+
+
+def chat_tokenizer(tok, folder):
+    """The tiny tokenizer with a chat template (it has none), saved and reloaded as a user's would be."""
+    from recipe.engine import load_tokenizer
+
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}<assistant>")
+    try:
+        tok.save_pretrained(folder)
+    finally:
+        tok.chat_template = None
+    return load_tokenizer(str(folder))
+
+
+def test_system_prompt_and_template_kwargs_reach_the_tokens(tmp_path, tok):
+    chat_tok = chat_tokenizer(tok, tmp_path / "tok")
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello"}, {"prompt": "hello"}])
+    cfg = cfg_for(path, system_prompt="Think step by step.", chat_template_kwargs={"enable_thinking": False})
+    batch = PromptStream(load_prompt_dataset(cfg), chat_tok, cfg, 0, 1).batch(0)
+    assert chat_tok.decode(batch.prompt_ids[0]) == "<system>Think step by step.<user>hello<nothink><assistant>"
+    plain = cfg_for(path, system_prompt="Think step by step.")
+    batch = PromptStream(load_prompt_dataset(plain), tok, plain, 0, 1).batch(0)  # no template: a text prefix
+    assert tok.decode(batch.prompt_ids[0]) == "Think step by step.\n\nhello"
+    with pytest.raises(DataError, match="^chat_template_kwargs: given, but no chat template is applied"):
+        PromptStream(load_prompt_dataset(cfg), tok, cfg, 0, 1)
+
+
+def test_conversational_prompts(tmp_path, tok):
+    chat_tok = chat_tokenizer(tok, tmp_path / "tok")
+    rows = [{"prompt": [{"role": "system", "content": "Own."}, {"role": "user", "content": "hi"}], "answer": "1"},
+            {"prompt": [{"role": "user", "content": "yo"}], "answer": "2"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    cfg = cfg_for(path, system_prompt="Default.", per_device_train_batch_size=4)  # both rows
+    stream = PromptStream(load_prompt_dataset(cfg), chat_tok, cfg, 0, 1)
+    batch = stream.batch(0)
+    texts = sorted(chat_tok.decode(ids) for ids in batch.prompt_ids)
+    assert texts == ["<system>Default.<user>yo<assistant>", "<system>Own.<user>hi<assistant>"]  # a row's own wins
+    assert sorted(p[-1]["content"] for p in batch.prompts) == ["hi", "yo"]  # as in the dataset, for rewards
+    assert "prompt" not in batch.columns and sorted(batch.columns["answer"]) == ["1", "2"]
+    off = cfg_for(path, chat_template=False)
+    with pytest.raises(DataError, match="^prompt_column: 'prompt' holds chat messages, but no chat template"):
+        PromptStream(load_prompt_dataset(off), chat_tok, off, 0, 1).batch(0)
 
 
 def test_chat_template_applied_when_present(tmp_path, tok):
@@ -87,11 +179,24 @@ def test_chat_template_applied_when_present(tmp_path, tok):
         PromptStream(load_prompt_dataset(cfg), tok, cfg_for(path, chat_template=True), 0, 1)
 
 
-def test_data_errors(tmp_path):
+def test_data_errors_name_the_field_or_column(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [{"text": "x"}])
-    with pytest.raises(DataError, match="no column 'prompt'"):
+    with pytest.raises(DataError, match="^prompt_column: dataset .* has no column 'prompt'"):
         load_prompt_dataset(cfg_for(path))
-    bad = tmp_path / "p.txt"
+    path = write_jsonl(tmp_path / "n.jsonl", [{"prompt": 3}, {"prompt": 4}])
+    with pytest.raises(DataError, match=r"^prompt_column: column 'prompt' of .* holds Value\('int64'\), expected text"):
+        load_prompt_dataset(cfg_for(path))
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": {"text": "x"}}])
+    with pytest.raises(DataError, match="^prompt_column: column 'prompt' of .* expected text or a list of chat"):
+        load_prompt_dataset(cfg_for(path))
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "x", "completions": "y"}])
+    with pytest.raises(DataError, match=r"column\(s\) \['completions'\] .* collide with the reward functions"):
+        load_prompt_dataset(cfg_for(path))
+    path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": ""}, {"prompt": ""}])
+    cfg = cfg_for(path)
+    with pytest.raises(DataError, match="^prompt_column: row . of column 'prompt' is empty"):
+        PromptStream(load_prompt_dataset(cfg), tok, cfg, 0, 1).batch(0)
+    bad = tmp_path / "p.xyz"
     bad.write_text("x")
-    with pytest.raises(DataError, match="unsupported file type"):
+    with pytest.raises(DataError, match="^dataset_name: cannot load .*p.xyz"):
         load_prompt_dataset(cfg_for(bad))
