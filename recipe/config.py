@@ -6,7 +6,9 @@ ask the environment (files, the built-in model, vLLM, reward imports) are `recip
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import os
 import sys
 import typing
@@ -36,81 +38,102 @@ def need(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+class BiasedSamplingError(ConfigError):
+    """A sampling option that would make the sampled distribution differ from the one the trainer scores."""
+
+
+def opt(default: Any, help: str):
+    """A config field and its one-line description, which `--help` prints."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Config:
     # --- model -------------------------------------------------------------------------
-    model_name_or_path: str = "builtin:tiny-qwen2"  # a folder, a hub name, builtin:tiny-qwen2 or tiny-qwen2-h64
-    bf16: str | bool = "auto"  # auto = bf16 on GPUs, fp32 on CPU
-    gradient_checkpointing: bool = False
+    model_name_or_path: str = opt("builtin:tiny-qwen2", "a model folder, a hub name, or a built-in tiny model: "
+                                  "builtin:tiny-qwen2 (hidden 128) or builtin:tiny-qwen2-h64 (hidden 64)")
+    bf16: str | bool = opt("auto", "auto = bf16 on GPUs, fp32 on CPU; or true / false")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass (less memory, slower)")
     # --- LoRA (peft) -------------------------------------------------------------------
-    use_peft: bool = False  # train a LoRA adapter only; the base stays frozen and is the KL reference
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0  # must be 0: the recipe trains without dropout (see validate)
-    lora_target_modules: list = field(default_factory=lambda: ["all-linear"])  # module names, or all-linear
-    save_merged: bool = False  # also write OUTPUT_DIR/final-merged, the full model with the adapter merged
+    use_peft: bool = opt(False, "train a LoRA adapter only; the frozen base is the KL reference")
+    lora_r: int = opt(16, "adapter rank")
+    lora_alpha: int = opt(32, "adapter scale: the update is alpha / r * B A")
+    lora_dropout: float = opt(0.0, "must be 0: the recipe trains without dropout, so the trained policy is the sampling one")
+    lora_target_modules: list = opt(["all-linear"], "module names to adapt, or all-linear (every linear but the head)")
+    save_merged: bool = opt(False, "with use_peft, also write OUTPUT_DIR/final-merged (adapter merged into the model)")
     # --- data --------------------------------------------------------------------------
-    dataset_name: str = "recipe/data/tldr_prompts.jsonl"  # a local jsonl/json/parquet/csv file or a hub name
-    dataset_config: str | None = None
-    dataset_split: str = "train"
-    prompt_column: str = "prompt"
-    system_prompt: str | None = None
-    chat_template: str | bool = "auto"  # auto = use the tokenizer's chat template when it has one
-    chat_template_kwargs: dict = field(default_factory=dict)
-    max_prompt_length: int = 256
+    dataset_name: str = opt("recipe/data/tldr_prompts.jsonl", "a local file in any format datasets reads "
+                            "(jsonl, json, parquet, csv, tsv, arrow, ...), a local dataset folder, or a hub name")
+    dataset_config: str | None = opt(None, "the dataset's config name (e.g. main for openai/gsm8k); null = none")
+    dataset_split: str = opt("train", "split to train on; slices work: train[:1000], train[10%:]")
+    prompt_column: str = opt("prompt", "column holding each prompt: text, or a list of chat messages {role, content}")
+    system_prompt: str | None = opt(None, "system message put before each prompt (a text prefix without a chat "
+                                    "template); a row's own system message wins")
+    chat_template: str | bool = opt("auto", "auto = apply the tokenizer's chat template when it has one; true; false")
+    chat_template_kwargs: dict = opt({}, "extra arguments of apply_chat_template, e.g. {enable_thinking: false}")
+    max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens (counted in prompts_truncated)")
     # --- generation --------------------------------------------------------------------
-    generation_backend: str = "hf"  # hf (transformers generate on the engine's weights) or vllm
-    num_generations: int = 8  # G: completions per prompt
-    max_completion_length: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    generation_backend: str = opt("hf", "hf (transformers generate on the training weights) or vllm (colocated engine)")
+    num_generations: int = opt(8, "G: completions per prompt (a group; all G are generated on one rank)")
+    max_completion_length: int = opt(64, "new tokens per completion at most")
+    temperature: float = opt(1.0, "sampling temperature (the trainer scores the same softmax(logits / T))")
+    top_p: float = opt(1.0, "must be 1: truncated sampling would bias the importance ratios (see README)")
+    top_k: int = opt(0, "must be 0 (off): truncated sampling would bias the importance ratios (see README)")
+    min_p: float | None = opt(None, "must be null or 0: truncated sampling would bias the importance ratios")
+    repetition_penalty: float = opt(1.0, "must be 1: a penalized sampler is not the policy the trainer scores")
+    stop: list = opt([], "stop strings: a completion ends with the token that completes one (kept in the text)")
     # --- vLLM (generation_backend: vllm) -----------------------------------------------
-    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory (on CPU: of host memory) vLLM may plan for
-    vllm_tensor_parallel_size: int = 1  # consecutive ranks that shard one engine
-    vllm_enable_sleep_mode: bool = False  # GPU: release vLLM's memory while training
-    vllm_max_model_len: int | None = None  # None = max_prompt_length + max_completion_length
-    vllm_kv_cache_mib: int | None = None  # None: GPU sizes it from the utilization, CPU fits one rollout
-    vllm_importance_sampling_cap: float | None = None  # truncated IS correction of sampler drift; None = off
-    vllm_lora_sync: str = "merged"  # with use_peft: merged (base + delta, reload_weights) or adapter (vLLM's LoRA)
+    vllm_gpu_memory_utilization: float = opt(0.3, "share of GPU memory (on CPU: of host memory) vLLM may plan for")
+    vllm_tensor_parallel_size: int = opt(1, "consecutive ranks that shard one vLLM engine (divides the world size)")
+    vllm_enable_sleep_mode: bool = opt(False, "GPU only: release vLLM's KV cache and weights while training")
+    vllm_max_model_len: int | None = opt(None, "vLLM context length; null = max_prompt_length + max_completion_length")
+    vllm_kv_cache_mib: int | None = opt(None, "vLLM KV cache size; null = from the utilization (GPU), one rollout (CPU)")
+    vllm_importance_sampling_cap: float | None = opt(None, "per-token truncated importance sampling of the sampler's "
+                                                     "drift: weight min(exp(old_logp - vllm_logp), cap); null = off")
+    vllm_lora_sync: str = opt("merged", "with use_peft: merged (base + delta via reload_weights) or adapter "
+                                        "(vLLM's own LoRA)")
     # --- rewards -----------------------------------------------------------------------
-    # Each entry: a built-in name ("length", "accuracy"), "module:function" or "path/file.py:function",
-    # or a mapping {func: ..., weight: 1.0, kwargs: {...}}.
-    reward_funcs: list = field(default_factory=lambda: [{"func": "length", "kwargs": {"target_chars": 60}}])
-    scale_rewards: str = "group"
+    reward_funcs: list = opt([{"func": "length", "kwargs": {"target_chars": 60}}],
+                             "built-ins (length, accuracy, math_accuracy), module:function, path/file.py:function, "
+                             "or mappings {func, weight, kwargs, name}")
+    scale_rewards: str = opt("group", "std dividing the centered rewards: group, batch (all ranks) or none")
     # --- GRPO --------------------------------------------------------------------------
-    num_iterations: int = 1  # mu: optimizer passes over each rollout
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # None = epsilon
-    beta: float = 0.0  # KL coefficient against the frozen reference model
-    loss_type: str = "dapo"
-    mask_truncated_completions: bool = False
-    # Adaptive reuse (off when null): skip a rollout's remaining passes once a finished pass's mean approximate
-    # KL to the sampling policy, or its clipped-token fraction, exceeds the target.
-    reuse_target_kl: float | None = None
-    reuse_max_clip_fraction: float | None = None
+    num_iterations: int = opt(1, "mu: optimizer passes over each rollout")
+    epsilon: float = opt(0.2, "clip range low: ratios below 1 - epsilon are clipped")
+    epsilon_high: float | None = opt(None, "clip range high (1 + epsilon_high); null = epsilon")
+    beta: float = opt(0.0, "KL coefficient (k3) against the frozen reference model; 0 = no reference")
+    loss_type: str = opt("dapo", "grpo, bnpo, dr_grpo or dapo (README: how each normalizes)")
+    mask_truncated_completions: bool = opt(False, "drop completions that hit max_completion_length from the loss")
+    reuse_target_kl: float | None = opt(None, "adaptive reuse: skip a rollout's remaining passes once a pass's mean "
+                                        "approximate KL to the sampling policy exceeds this; null = off")
+    reuse_max_clip_fraction: float | None = opt(None, "adaptive reuse: the same on the clipped-token fraction; "
+                                                "null = off")
     # --- batch shape (per rank) --------------------------------------------------------
-    per_device_train_batch_size: int = 8  # completions per micro-batch
-    gradient_accumulation_steps: int = 1
-    steps_per_generation: int = 1  # optimizer steps fed by one rollout per pass
+    per_device_train_batch_size: int = opt(8, "completions per micro-batch")
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+    steps_per_generation: int = opt(1, "optimizer steps fed by one rollout per pass")
     # --- optimizer ---------------------------------------------------------------------
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0  # 0 = no clipping
-    max_steps: int = 100  # optimizer steps
+    learning_rate: float = opt(1e-6, "AdamW learning rate (constant)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2")
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm; 0 = no clipping")
+    max_steps: int = opt(100, "optimizer steps to train")
     # --- run ---------------------------------------------------------------------------
-    seed: int = 42
-    output_dir: str = "output"
-    deepspeed_config: str = "ds_configs/zero3.json"
-    logging_steps: int = 1
-    save_steps: int = 100  # checkpoint every N optimizer steps (and at the end); 0 = never
-    save_total_limit: int = 2  # keep the newest N complete checkpoints; 0 = keep all
-    resume_from_checkpoint: str | None = None  # auto = the newest complete one in output_dir; or a step-* folder
-    report_to_tensorboard: bool = False
-    disable_tqdm: bool = False
+    seed: int = opt(42, "seeds sampling, data order and initialization")
+    output_dir: str = opt("output", "metrics.jsonl, checkpoints/ and final/ go here")
+    deepspeed_config: str = opt("ds_configs/zero3.json", "a DeepSpeed JSON; the recipe fills its batch, precision "
+                                "and optimizer fields")
+    logging_steps: int = opt(1, "write metrics every N optimizer steps")
+    save_steps: int = opt(100, "checkpoint every N optimizer steps (and at the end); 0 = never")
+    save_total_limit: int = opt(2, "keep the newest N complete checkpoints; 0 = keep all")
+    resume_from_checkpoint: str | None = opt(None, "auto = the newest complete checkpoint in output_dir; or a "
+                                             "step-N folder")
+    report_to_tensorboard: bool = opt(False, "also write OUTPUT_DIR/tensorboard")
+    disable_tqdm: bool = opt(False, "no progress bar")
 
     # --- derived -----------------------------------------------------------------------
     @property
@@ -180,20 +203,72 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
     raise ConfigError(f"{name}: expected {names}, got {value!r}")
 
 
+class HelpRequested(Exception):
+    """`--help` / `-h`: print `help_text()` and exit 0."""
+
+
+# Names a TRL config has that mean something else here or have no equal: what to write instead.
+TRL_NAMES = {
+    "generation_batch_size": "a rank's rollout holds per_device_train_batch_size x gradient_accumulation_steps x "
+                             "steps_per_generation completions",
+    "reward_weights": "give each reward_funcs entry its weight: {func: NAME, weight: W}",
+    "use_vllm": "generation_backend: vllm", "vllm_mode": "generation_backend: vllm (always colocated here)",
+    "dataset_train_split": "dataset_split", "vllm_max_model_length": "vllm_max_model_len",
+    "report_to": "report_to_tensorboard: true (metrics.jsonl is always written)",
+    "num_train_epochs": "max_steps (optimizer steps)", "generation_kwargs": "the sampling fields themselves (stop, ...)",
+}
+
+
+def _type_name(typ: Any) -> str:
+    args = [a for a in typing.get_args(typ)] or [typ]
+    return " | ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
+
+
+def help_text() -> str:
+    """Every field with its type, default and description, from the dataclass itself."""
+    types = _field_types()
+    lines = ["usage: python -m recipe.train [--config FILE.yaml] [--FIELD VALUE ...]", "",
+             "Fields come from the YAML file, then from --FIELD VALUE overrides (values are parsed as YAML:",
+             "--reward_funcs '[length, accuracy]'); a bare --FLAG sets a bool field to true.", "",
+             "  --config FILE.yaml", "      a YAML file of fields (e.g. recipe/configs/quickstart.yaml)"]
+    for f in dataclasses.fields(Config):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = yaml.safe_dump(default, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+        lines += [f"  --{f.name} ({_type_name(types[f.name])}, default: {shown})", f"      {f.metadata['help']}"]
+    return "\n".join(lines)
+
+
+def unknown_key_message(key: str, values: dict) -> str:
+    """Why `key` is not a field: TRL's meaning if it is a TRL name, else the closest field's name."""
+    if key in TRL_NAMES:
+        return f"{key}: TRL's field has no equal here; use {TRL_NAMES[key]}"
+    close = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(Config)], n=1, cutoff=0.6)
+    return f"unknown field {key!r}" + (f": did you mean {close[0]}?" if close else " (--help lists every field)")
+
+
 def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
-    """`--config FILE` plus `--key value` / `--key=value` overrides (values parsed as YAML)."""
+    """`--config FILE` plus `--key value` / `--key=value` overrides (values parsed as YAML); a bare `--flag`
+    sets a bool field to true; `--help` / `-h` raise HelpRequested."""
+    if "--help" in argv or "-h" in argv:
+        raise HelpRequested(help_text())
+    types = _field_types()
     config_path, overrides, i = None, {}, 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: overrides are --key value")
         key, eq, val = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"--{key}: missing value")
-            val, i = argv[i + 1], i + 1
-        i += 1
         key = key.replace("-", "_")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                val, i = argv[i + 1], i + 1
+            elif bool in (typing.get_args(types.get(key)) or [types.get(key)]):
+                val = "true"
+            elif key not in types and key not in ("config", "local_rank"):
+                raise ConfigError(unknown_key_message(key, {}))
+            else:
+                raise ConfigError(f"--{key}: missing value")
+        i += 1
         if key == "local_rank":  # set by the deepspeed launcher; LOCAL_RANK in the env says the same
             continue
         if key == "config":
@@ -225,7 +300,7 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     types = _field_types()
     unknown = sorted(set(values) - set(types))
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        raise ConfigError("; ".join(unknown_key_message(k, values) for k in unknown))
     cfg = Config(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -268,6 +343,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.temperature > 0.0, f"temperature: must be > 0, got {cfg.temperature}")
     need(0.0 < cfg.top_p <= 1.0, f"top_p: must be in (0, 1], got {cfg.top_p}")
     need(cfg.top_k >= 0, f"top_k: must be >= 0, got {cfg.top_k}")
+    need(cfg.min_p is None or 0.0 <= cfg.min_p < 1.0, f"min_p: must be in [0, 1) or null, got {cfg.min_p}")
+    need(cfg.repetition_penalty > 0.0, f"repetition_penalty: must be > 0, got {cfg.repetition_penalty}")
+    need(all(isinstance(s, str) and s for s in cfg.stop), f"stop: must be a list of non-empty strings, got {cfg.stop!r}")
+    check_sampling_is_scored(cfg)
     need(cfg.learning_rate > 0.0, f"learning_rate: must be > 0, got {cfg.learning_rate}")
     need(cfg.save_steps >= 0, f"save_steps: must be >= 0, got {cfg.save_steps}")
     need(cfg.save_total_limit >= 0, f"save_total_limit: must be >= 0, got {cfg.save_total_limit}")
@@ -301,6 +380,23 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         need(cfg.vllm_importance_sampling_cap is None,
              "vllm_importance_sampling_cap: needs generation_backend: vllm "
              "(the hf backend samples with the trainer's own weights)")
+
+
+def check_sampling_is_scored(cfg: Config) -> None:
+    """Refuse sampling options under which the trainer's log-probs are not those of the distribution sampled.
+
+    The trainer scores softmax(logits / temperature) (the old log-probs and the ratios too). Truncation (top-k,
+    top-p, min-p) never samples the tokens it cuts, so no reweighting of the samples can recover the full
+    distribution's gradient; a repetition penalty reshapes the logits by context. Both backends apply them
+    (vLLM's processed log-probs even report them), but the ratios and the policy gradient would be biased.
+    """
+    why = ("the sampler would draw from a different distribution than the softmax(logits / temperature) the "
+           "trainer scores, biasing the importance ratios and the policy gradient")
+    for name, value, neutral in (("top_p", cfg.top_p, 1.0), ("top_k", cfg.top_k, 0),
+                                 ("min_p", cfg.min_p or 0.0, 0.0), ("repetition_penalty", cfg.repetition_penalty, 1.0)):
+        if value != neutral:
+            raise BiasedSamplingError(f"{name}: {value} is refused: {why}; use {name}: {neutral} "
+                                      "(temperature is scored exactly)")
 
 
 def validate_vllm(cfg: Config, world_size: int) -> None:

@@ -1,5 +1,6 @@
-"""Config: YAML + CLI overrides, field checks and preflight with one-line messages and exit code 2 before any work;
-config.py a leaf of the recipe's import graph."""
+"""Config: YAML + CLI overrides, --help, bare flags, names from TRL, field checks and preflight with one-line
+messages and exit code 2 before any work; config.py a leaf of the recipe's import graph."""
+import dataclasses
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ import pytest
 
 from conftest import REPO
 from recipe.launch import rank_env
-from recipe.config import Config, ConfigError, load_config, parse_cli
+from recipe.config import BiasedSamplingError, Config, ConfigError, HelpRequested, load_config, parse_cli
 from recipe.preflight import preflight
 
 QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
@@ -38,7 +39,13 @@ def test_derived_sizes():
     (["--loss_type", "ppo"], "loss_type: must be one of", "fields"),
     (["--vllm_lora_sync", "both"], "vllm_lora_sync: must be one of merged, adapter", "fields"),
     (["--scale_rewards", "maybe"], "scale_rewards: must be one of", "fields"),
-    (["--no_such_key", "1"], "unknown config key(s): no_such_key", "fields"),
+    (["--no_such_key", "1"], "unknown field 'no_such_key' (--help lists every field)", "fields"),
+    (["--learnig_rate", "1"], "unknown field 'learnig_rate': did you mean learning_rate?", "fields"),
+    (["--reward_weights", "[1, 2]"], "reward_weights: TRL's field has no equal here; use give each reward_funcs entry",
+     "fields"),
+    (["--use_vllm"], "use_vllm: TRL's field has no equal here; use generation_backend: vllm", "fields"),
+    (["--stop", "['']"], "stop: must be a list of non-empty strings", "fields"),
+    (["--chat_template_kwargs", "[1]"], "chat_template_kwargs: expected a mapping", "fields"),
     (["--learning_rate", "abc"], "learning_rate: expected float", "fields"),
     (["--per_device_train_batch_size", "0"], "per_device_train_batch_size: must be >= 1", "fields"),
     # what the environment lacks: the fields themselves are fine, preflight names it
@@ -70,6 +77,41 @@ def test_cli_reports_a_preflight_error_as_a_config_error(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("config error: reward_funcs: 'length_typo' is not a built-in")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("field, value", [("top_p", "0.9"), ("top_k", "50"), ("min_p", "0.05"),
+                                          ("repetition_penalty", "1.1")])
+def test_sampling_the_trainer_does_not_score_is_refused(field, value):
+    with pytest.raises(BiasedSamplingError, match=f"^{field}: .* is refused: the sampler would draw from a different "
+                                                  "distribution than the softmax"):
+        load_config(["--config", QUICKSTART, f"--{field}", value])
+    for backend in ("hf", "vllm"):  # neutral values pass on both backends
+        neutral = {"top_p": "1.0", "top_k": "0", "min_p": "0.0", "repetition_penalty": "1.0"}[field]
+        assert load_config(["--config", QUICKSTART, f"--{field}", neutral, "--generation_backend", backend])
+
+
+def test_bare_flags_set_bools_true():
+    cfg = load_config(["--config", QUICKSTART, "--disable_tqdm", "--report_to_tensorboard", "--seed", "3",
+                       "--mask_truncated_completions"])
+    assert cfg.disable_tqdm is True and cfg.report_to_tensorboard is True and cfg.mask_truncated_completions is True
+    assert cfg.seed == 3
+    assert load_config(["--disable_tqdm", "false"]).disable_tqdm is False  # an explicit value still works
+    _, overrides = parse_cli(["--gradient_checkpointing", "--bf16"])
+    assert overrides == {"gradient_checkpointing": True, "bf16": True}
+
+
+def test_help_lists_every_field_with_type_default_and_description():
+    with pytest.raises(HelpRequested) as e:
+        parse_cli(["--seed", "1", "-h"])
+    text = str(e.value)
+    for f in dataclasses.fields(Config):
+        assert f"  --{f.name} (" in text, f.name
+        assert f.metadata["help"] in text
+    assert "  --learning_rate (float, default: 1.0e-06)" in text
+    assert "  --dataset_config (str | null, default: null)" in text
+    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--help"], cwd=REPO, env=rank_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == text and not proc.stderr.strip()
 
 
 def test_missing_config_file_and_bad_cli():

@@ -8,8 +8,13 @@ from recipe.generation import finish
 
 
 class FakeTok:
+    """Token i decodes to " i"."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids)
+
     def batch_decode(self, ids, skip_special_tokens=True):
-        return [" ".join(map(str, x)) for x in ids]
+        return [self.decode(x) for x in ids]
 
 
 def test_finish_cuts_after_first_eos_and_masks():
@@ -17,6 +22,17 @@ def test_finish_cuts_after_first_eos_and_masks():
     assert c.ids == [[5, 6, 0], [5, 6, 7, 8, 9], [0]]
     assert c.mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
     assert c.truncated.tolist() == [False, True, False]
+
+
+def test_finish_cuts_at_the_token_that_completes_a_stop_string():
+    raw = [[5, 6, 7, 8, 9], [7, 0, 7, 8, 1], [1, 2, 3, 4, 5], [1, 27, 80, 4, 4], [1, 2, 3]]
+    c = finish(raw, eos_id=0, tokenizer=FakeTok(), max_len=5, stops=["7 8", "XX"])
+    # row 1: EOS comes first; row 3: the text decides, not the ids (" 27 80" holds "7 8" across two tokens)
+    assert c.ids == [[5, 6, 7, 8], [7, 0], [1, 2, 3, 4, 5], [1, 27, 80], [1, 2, 3]]
+    assert c.mask.sum(-1).tolist() == [4, 2, 5, 3, 3]
+    # neither EOS nor stop: truncated only at max_len (row 4: vLLM may end a sample by its own stop check)
+    assert c.truncated.tolist() == [False, False, True, False, False]
+    assert c.texts[0] == " 5 6 7 8"  # the stop string stays in the text, as in the trained tokens
 
 
 @pytest.mark.slow
@@ -30,3 +46,12 @@ def test_zero3_generation_matches_plain_model_and_gathers_once(tmp_path):
         f"all-gathers grew with decoding steps ({r['gathers_12']} vs {r['gathers_24']}): not gathered once"
     for ids, m, t in zip(r["ids"], r["mask_sum"], r["truncated"]):
         assert len(ids) == m and (t == (r["eos"] not in ids))
+
+
+@pytest.mark.slow
+def test_stop_strings_end_completions_hf(tmp_path):
+    out = tmp_path / "stop.json"
+    torchrun(1, ["tests/dist_stop.py", str(out), "hf"], timeout=900)
+    r = json.loads(out.read_text())["hf"]
+    assert not r["bad"], f"completions that do not end at EOS, a stop string or max length: {r['bad']}"
+    assert r["stopped"] >= r["n"] // 2, f"only {r['stopped']} of {r['n']} samples ended at a stop string"

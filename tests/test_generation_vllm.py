@@ -102,3 +102,13 @@ def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     assert min(r["truncated_fraction"] for r in records) < 1.0
     first, last = reward_quarters(records)
     assert last > first + 3.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_stop_strings_end_completions_vllm(tmp_path):
+    out = tmp_path / "stop.json"
+    torchrun(1, ["tests/dist_stop.py", str(out), "vllm"], timeout=900)
+    r = json.loads(out.read_text())["vllm"]
+    assert not r["bad"], f"completions that do not end at EOS, a stop string or max length: {r['bad']}"
+    assert r["stopped"] >= r["n"] // 2, f"only {r['stopped']} of {r['n']} samples ended at a stop string"

@@ -14,10 +14,10 @@ import torch
 
 @dataclass
 class Completions:
-    ids: list[list[int]]  # completion tokens per sample, through the first EOS
+    ids: list[list[int]]  # completion tokens per sample, through the first EOS or stop string
     mask: torch.Tensor  # [N, C] 1 on those tokens
-    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
-    texts: list[str]  # decoded, EOS and special tokens dropped
+    truncated: torch.Tensor  # [N] bool: neither EOS nor a stop string within max_completion_length
+    texts: list[str]  # decoded, EOS and special tokens dropped (a stop string is kept)
     logps: torch.Tensor | None = None  # [N, C] the sampler's own log-probs, if the backend reports them
 
 
@@ -31,14 +31,39 @@ class Generator(Protocol):
     def close(self) -> None: ...
 
 
-def finish(raw: list[list[int]], eos_id: int, tokenizer, max_len: int) -> Completions:
-    """Cut each sample after its first EOS (later tokens are padding or noise) and build the masks."""
+class StopStrings:
+    """Where a completion ends at a stop string: after the first token with which the completion's text
+    contains one. The one test serves hf's stopping criterion and the cut of both backends' samples, so the
+    tokens trained on end exactly where sampling ended (vLLM's own check only stops it early)."""
+
+    def __init__(self, stops: list[str], tokenizer):
+        self.stops, self.tok = [s for s in stops if s], tokenizer
+        # Every token adds at least one byte, so a stop string completed by the newest token lies within the
+        # last len(bytes) tokens; one more for decoders that drop a leading space at the start of a window.
+        self.window = max((len(s.encode()) for s in self.stops), default=0) + 1
+
+    def hit(self, ids: list[int]) -> bool:
+        """Whether the text of `ids` ends in (the newest token completes) a stop string."""
+        text = self.tok.decode(ids[-self.window:], skip_special_tokens=False)
+        return any(s in text for s in self.stops)
+
+    def cut(self, ids: list[int]) -> int | None:
+        """How many tokens to keep (through the one that completes a stop string), or None for no stop."""
+        if not self.stops or not any(s in self.tok.decode(ids, skip_special_tokens=False) for s in self.stops):
+            return None
+        return next((k for k in range(1, len(ids) + 1) if self.hit(ids[:k])), None)
+
+
+def finish(raw: list[list[int]], eos_id: int, tokenizer, max_len: int, stops: list[str] | None = None) -> Completions:
+    """Cut each sample after its first EOS or stop string (later tokens are padding or noise), build the masks."""
+    stop = StopStrings(stops or [], tokenizer)
     ids, truncated = [], []
     for seq in raw:
         seq = list(seq)[:max_len]
-        cut = seq.index(eos_id) + 1 if eos_id in seq else len(seq)
-        ids.append(seq[:cut])
-        truncated.append(eos_id not in seq)
+        cuts = [seq.index(eos_id) + 1] if eos_id in seq else []
+        cuts += [k for k in (stop.cut(seq[:min(cuts, default=len(seq))]),) if k is not None]
+        ids.append(seq[:min(cuts, default=len(seq))])
+        truncated.append(not cuts and len(seq) >= max_len)
     width = max(1, max(len(x) for x in ids))
     mask = torch.zeros(len(ids), width)
     for i, x in enumerate(ids):

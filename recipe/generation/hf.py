@@ -5,7 +5,21 @@ import torch
 
 from recipe.data import left_pad
 from recipe.engine import device, gathered_for_generation
-from recipe.generation.base import Completions, finish
+from recipe.generation.base import Completions, StopStrings, finish
+
+
+def stop_criteria(stops: list[str], tokenizer, prompt_width: int):
+    """transformers' stopping criterion for our stop strings: the same test `finish` cuts with."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    test = StopStrings(stops, tokenizer)
+
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = [test.hit(row[prompt_width:].tolist()) for row in input_ids]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_Stop()]) if test.stops else None
 
 
 class HFGenerator:
@@ -17,6 +31,7 @@ class HFGenerator:
         # Explicit, so a model's own generation_config.json cannot change the sampling.
         self.gen_config = GenerationConfig(
             do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            min_p=cfg.min_p or None, repetition_penalty=cfg.repetition_penalty,
             max_new_tokens=cfg.max_completion_length, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, use_cache=True)
 
@@ -30,9 +45,11 @@ class HFGenerator:
             was_training = model.training
             model.eval()
             out = model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev),
-                                 generation_config=self.gen_config)
+                                 generation_config=self.gen_config,
+                                 stopping_criteria=stop_criteria(self.cfg.stop, self.tok, width))
             model.train(was_training)
-        return finish(out[:, width:].tolist(), self.tok.eos_token_id, self.tok, self.cfg.max_completion_length)
+        return finish(out[:, width:].tolist(), self.tok.eos_token_id, self.tok, self.cfg.max_completion_length,
+                      self.cfg.stop)
 
     def sync(self, engine) -> None:
         pass

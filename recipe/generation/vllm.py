@@ -170,9 +170,12 @@ class VLLMGenerator:
         from vllm import SamplingParams
 
         cfg = self.cfg
+        # stop: vLLM ends a sample at a stop string; `finish` then cuts it with the hf backend's own test
         return SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k if cfg.top_k > 0 else -1, max_tokens=cfg.max_completion_length,
-                              stop_token_ids=[self.tok.eos_token_id], logprobs=0, seed=seed)
+                              top_k=cfg.top_k if cfg.top_k > 0 else -1, min_p=cfg.min_p or 0.0,
+                              repetition_penalty=cfg.repetition_penalty, max_tokens=cfg.max_completion_length,
+                              stop=list(cfg.stop) or None, stop_token_ids=[self.tok.eos_token_id], logprobs=0,
+                              seed=seed)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seed: int) -> Completions:
@@ -204,7 +207,7 @@ class VLLMGenerator:
         if self.cfg.vllm_enable_sleep_mode:  # free the KV cache (and weights, to host) while training
             self.llm.sleep(level=1)
             self.asleep = True
-        comp = finish(raw, self.tok.eos_token_id, self.tok, self.cfg.max_completion_length)
+        comp = finish(raw, self.tok.eos_token_id, self.tok, self.cfg.max_completion_length, self.cfg.stop)
         comp.logps = torch.zeros_like(comp.mask)
         for i, (ids, lps) in enumerate(zip(comp.ids, raw_logps)):
             comp.logps[i, :len(ids)] = torch.tensor(lps[:len(ids)])
