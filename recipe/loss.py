@@ -20,22 +20,26 @@ def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
-    """(r - group mean) / std, std over the group, the whole batch, or not at all.
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
+                     batch_std: float | None = None) -> torch.Tensor:
+    """(r - group mean) / (std + 1e-4), as TRL: std over the group, the whole batch, or not at all.
 
-    Groups whose rewards are all equal get advantage 0 (never NaN): the std is floored at 1e-4.
+    `batch_std` is the std of the whole batch over all ranks (default: these rewards'); groups whose rewards
+    are all equal get advantage 0.
     """
     grouped = rewards.view(-1, group_size)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
         std = grouped.std(dim=1, keepdim=True)
     elif scale == "batch":
-        std = rewards.std().expand_as(grouped[:, :1]) if rewards.numel() > 1 else torch.zeros_like(grouped[:, :1])
+        if batch_std is None:
+            batch_std = rewards.std().item() if rewards.numel() > 1 else 0.0
+        std = torch.full_like(grouped[:, :1], batch_std)
     elif scale == "none":
         return centered.flatten()
     else:
         raise ValueError(f"scale_rewards: unknown {scale!r}")
-    return (centered / std.clamp(min=1e-4)).flatten()
+    return (centered / (std + 1e-4)).flatten()
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,

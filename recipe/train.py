@@ -109,10 +109,12 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
 def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_prompts: int,
                   error: bool) -> dict:
     """Reward and completion statistics over all ranks, in one all-reduce (which also shares errors)."""
+    # each function's mean is over the samples it applies to (NaN: it returned None there)
     sums = {"reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(), "samples": rewards.numel(),
             "length": comp.mask.sum(-1).sum(), "truncated": comp.truncated.float().sum(),
             "prompts_truncated": num_truncated_prompts, "failed_ranks": float(error),
-            **{f"reward/{k}": v.sum() for k, v in per_func.items()}}
+            **{f"reward/{k}": v.nansum() for k, v in per_func.items()},
+            **{f"applies/{k}": (~v.isnan()).sum() for k, v in per_func.items()}}
     sums = eng.all_reduce_named({k: torch.as_tensor(v, dtype=torch.float64) for k, v in sums.items()})
     sums = {k: v.item() for k, v in sums.items()}
     n, mean = sums["samples"], sums["reward"] / sums["samples"]
@@ -120,7 +122,7 @@ def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_pro
     return {"reward_mean": mean, "reward_std": std,
             "completion_length_mean": sums["length"] / n, "truncated_fraction": sums["truncated"] / n,
             "prompts_truncated": int(sums["prompts_truncated"]), "failed_ranks": int(sums["failed_ranks"]),
-            **{f"reward/{k}": sums[f"reward/{k}"] / n for k in per_func}}
+            **{f"reward/{k}": sums[f"reward/{k}"] / max(sums[f"applies/{k}"], 1.0) for k in per_func}}
 
 
 def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict]:
@@ -133,13 +135,14 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     rows, error = batch.repeat(G), None
     with timer("score"):
         try:
-            rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns)
+            rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids)
         except RewardError as e:
             error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in run.rewards}
     stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
     if stats.pop("failed_ranks"):
         raise error or RewardError(f"a reward function failed on another rank in rollout {rollout}")
-    advantages = group_advantages(rewards, G, cfg.scale_rewards)  # every group lives on this rank
+    # every group lives on this rank; scale_rewards: batch divides by the std over all ranks (as TRL does)
+    advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std=stats["reward_std"])
     mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
     buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, run.tokenizer.pad_token_id,
                               order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps)

@@ -118,10 +118,12 @@ def test_group_advantages():
     r = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0])
     a = group_advantages(r, 4, "group")
     g0 = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    torch.testing.assert_close(a[:4], (g0 - g0.mean()) / g0.std())
+    torch.testing.assert_close(a[:4], (g0 - g0.mean()) / (g0.std() + 1e-4))  # TRL's formula
     assert torch.equal(a[4:], torch.zeros(4))  # zero-std group: zero advantage, never NaN
     b = group_advantages(r, 4, "batch")
-    torch.testing.assert_close(b[:4], (g0 - g0.mean()) / r.std())
+    torch.testing.assert_close(b[:4], (g0 - g0.mean()) / (r.std() + 1e-4))
+    global_std = group_advantages(r, 4, "batch", batch_std=2.0)  # the std over every rank's rewards
+    torch.testing.assert_close(global_std[:4], (g0 - g0.mean()) / (2.0 + 1e-4))
     n = group_advantages(r, 4, "none")
     torch.testing.assert_close(n[:4], g0 - g0.mean())
     assert not torch.isnan(group_advantages(torch.ones(8), 4, "batch")).any()

@@ -81,3 +81,19 @@ def test_quickstart_end_to_end_reward_rises(tmp_path):
     assert {r["iteration"] for r in records} == {0, 1, 2, 3}
     assert records[-1]["old_logp_forwards"] == 0
     check_final_model(out)
+
+
+@pytest.mark.slow
+def test_train_your_own_example_config_end_to_end(tmp_path):
+    """The README's "Train your own model on your own data" example as written there: launch/local.sh on the
+    shipped GSM8K-shaped parquet file, the built-in math_accuracy reward and a reward function file."""
+    out = tmp_path / "gsm"
+    proc = subprocess.run(["bash", "launch/local.sh", "--config", "recipe/configs/gsm8k_local.yaml", "--max_steps", "4",
+                           "--output_dir", str(out), "--disable_tqdm"], cwd=REPO,
+                          env=cpu_env(VENV_PY=sys.executable, NPROC=2), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {"reward/math_accuracy", "reward/format_reward"} <= set(records[0])
+    assert all(0.0 <= r["reward/math_accuracy"] <= 1.0 for r in records)
+    check_final_model(out)
