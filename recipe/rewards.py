@@ -14,12 +14,14 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from recipe.config import resolve_path
 from recipe.math_answers import answers_match, completion_answer, reference_answer
 
 
@@ -79,15 +81,20 @@ class RewardFunc:
     kwargs: dict[str, Any]
 
 
+# TRL's built-in reward names, and the built-in here that does the same job
+TRL_REWARDS = {"accuracy_reward": "math_accuracy", "reasoning_accuracy_reward": "math_accuracy"}
+
+
 def _import(spec: str) -> tuple[str, Callable]:
     if spec in BUILTINS:
         return spec, BUILTINS[spec]
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
+        hint = f" (TRL's {spec} is {TRL_REWARDS[spec]} here)" if spec in TRL_REWARDS else ""
         raise RewardError(f"reward_funcs: {spec!r} is not a built-in ({', '.join(BUILTINS)}), "
-                          "'module:function' or 'path/file.py:function'")
+                          f"'module:function' or 'path/file.py:function'{hint}")
     if target.endswith(".py"):
-        path = Path(target).expanduser()
+        path = resolve_path(os.path.expanduser(target))  # relative to the working directory, else the repo
         if not path.is_file():
             raise RewardError(f"reward_funcs: file not found: {target}")
         mod_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}", path)

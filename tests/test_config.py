@@ -132,3 +132,13 @@ def test_cli_exits_2_with_one_line_before_any_work(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == ["config error: num_iterations: mu must be >= 1, got 0"]
     assert not out.exists()  # nothing was started or written
+
+
+def test_readme_shows_the_example_config_as_shipped():
+    import yaml
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("CI runs it end to end:\n\n```yaml\n", 1)[1].split("```", 1)[0]
+    shipped = REPO / "recipe/configs/gsm8k_local.yaml"
+    assert yaml.safe_load(block) == yaml.safe_load(shipped.read_text())
+    assert load_config(["--config", str(shipped)]).prompt_column == "question"

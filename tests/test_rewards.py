@@ -99,6 +99,7 @@ def test_math_accuracy_reads_gsm8k_solutions_and_messages():
 
 @pytest.mark.parametrize("spec, message", [
     ("nope", "is not a built-in"),
+    ("accuracy_reward", r"'path/file.py:function' \(TRL's accuracy_reward is math_accuracy here\)"),
     ("missing_file.py:f", "file not found"),
     ("tests.reward_fixtures:absent", "has no function 'absent'"),
     ({"func": "length", "weight": "x"}, "weight of 'length' must be a finite number"),
