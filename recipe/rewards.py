@@ -16,7 +16,6 @@ import inspect
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
