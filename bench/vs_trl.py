@@ -33,8 +33,8 @@ FAIRNESS = [
     "left-truncation to max_prompt_length tokens, decoded; it re-tokenizes to identical ids (checked) and the "
     "recipe's own truncation is then a no-op. Prompt order differs (each side shuffles with its own sampler).",
     "Same batch shape: TRL per_device_train_batch_size and gradient_accumulation_steps as ours, TRL "
-    "steps_per_generation = ours x gradient_accumulation_steps (TRL counts it in micro-batches, we in optimizer "
-    "steps), num_generations = G, num_iterations = mu; checked by counting generations, completions per generation "
+    "steps_per_generation = our optimizer_steps_per_pass x gradient_accumulation_steps (TRL counts micro-batches, "
+    "we optimizer steps), num_generations = G, num_iterations = mu; checked by counting generations, completions per generation "
     "and optimizer steps in both logs.",
     "Same generation backend and sampling: transformers generate on the ZeRO-3 weights gathered once per rollout "
     "(TRL use_vllm=False, ds3_gather_for_generation=True, its default), same temperature, top_p, top_k, "
@@ -128,7 +128,7 @@ def trl_fields(cfg, mu: int, max_steps: int, cuda: bool) -> dict:
     return dict(
         per_device_train_batch_size=cfg.per_device_train_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        steps_per_generation=cfg.steps_per_generation * cfg.gradient_accumulation_steps,
+        steps_per_generation=cfg.optimizer_steps_per_pass * cfg.gradient_accumulation_steps,
         num_generations=cfg.num_generations, num_iterations=mu, max_steps=max_steps,
         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k, use_vllm=False,
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     for rep in range(args.reps):
         for mu in args.mus:
-            spr = mu * cfg.steps_per_generation
+            spr = mu * cfg.optimizer_steps_per_pass
             steps = steps_for(args.steps, spr)
             run_dir = work / f"mu{mu}-rep{rep}"
             spec = run_dir / "trl_spec.json"
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     # verification: the mapping gave both sides the same work
     expect = {}
     for r in runs:
-        spr = r["mu"] * cfg.steps_per_generation
+        spr = r["mu"] * cfg.optimizer_steps_per_pass
         e = {"optimizer_steps": r["max_steps"], "generations": r["max_steps"] // spr}
         got = {k: r[k] for k in e}
         if r["impl"] == "trl":
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
         "config": {"recipe_config": args.config, "overrides": args.set, "mus": args.mus, "reps": args.reps,
                    "world_size": world, "prompts": n_prompts, "per_rank_completions_per_rollout": cfg.completions_per_rollout,
                    "recipe": {k: v for k, v in cfg.to_dict().items() if k not in ("output_dir",)},
-                   "trl_grpo_config_mu1": trl_fields(cfg, 1, steps_for(args.steps, cfg.steps_per_generation), cuda)},
+                   "trl_grpo_config_mu1": trl_fields(cfg, 1, steps_for(args.steps, cfg.optimizer_steps_per_pass), cuda)},
         "deepspeed": {"ours_resolved": ours_ds, "trl_resolved": trl_ds, "differences": ds_differences(ours_ds, trl_ds)},
         "verification": {"all_ok": all(v["ok"] for v in expect.values()), "runs": expect},
         "fairness": FAIRNESS,

@@ -6,7 +6,7 @@ on one rank). Its state is a plain dict of tensors, so a checkpoint can save and
 Old log-probs: a sample's old log-prob is the policy's log-prob *before any update on this rollout*.
 Samples trained in the first optimizer step of the first pass see exactly that policy, so their old
 log-probs are the training forward's own `logp.detach()` and are captured there for later passes (no
-extra forward). Only samples of later steps of the first pass (steps_per_generation > 1) need a
+extra forward). Only samples of later steps of the first pass (optimizer_steps_per_pass > 1) need a
 no_grad forward at rollout time.
 """
 from __future__ import annotations

@@ -176,6 +176,9 @@ class Checkpointer:
         """Refuse a resume whose config or world size would make it a different run."""
         meta = json.loads((folder / "meta.json").read_text())
         saved, now = meta["config"], self.cfg.to_dict()
+        # a field added since the checkpoint was written, left at its default, changes nothing
+        default = Config().to_dict()
+        saved = {**{k: v for k, v in default.items() if k not in saved}, **saved}
         diffs = [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
                  if k not in MUTABLE_FIELDS and saved.get(k) != now.get(k)]
         if meta["world_size"] != self.world:

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 LORA_SYNC_MODES = ("merged", "adapter")  # how a LoRA policy reaches vLLM (generation/vllm_lora.py)
 # Endings that make dataset_name a local file (so a missing one is "file not found", not a hub lookup);
@@ -90,8 +90,8 @@ class Config:
     vllm_enable_sleep_mode: bool = opt(False, "GPU only: release vLLM's KV cache and weights while training")
     vllm_max_model_len: int | None = opt(None, "vLLM context length; null = max_prompt_length + max_completion_length")
     vllm_kv_cache_mib: int | None = opt(None, "vLLM KV cache size; null = from the utilization (GPU), one rollout (CPU)")
-    vllm_importance_sampling_cap: float | None = opt(None, "per-token truncated importance sampling of the sampler's "
-                                                     "drift: weight min(exp(old_logp - vllm_logp), cap); null = off")
+    vllm_tis_cap: float | None = opt(None, "truncated importance sampling of vLLM's drift, per token: weight "
+                                     "min(exp(old_logp - vllm_logp), cap); null = off")
     vllm_lora_sync: str = opt("merged", "with use_peft: merged (base + delta via reload_weights) or adapter "
                                         "(vLLM's own LoRA)")
     # --- rewards -----------------------------------------------------------------------
@@ -104,7 +104,7 @@ class Config:
     epsilon: float = opt(0.2, "clip range low: ratios below 1 - epsilon are clipped")
     epsilon_high: float | None = opt(None, "clip range high (1 + epsilon_high); null = epsilon")
     beta: float = opt(0.0, "KL coefficient (k3) against the frozen reference model; 0 = no reference")
-    loss_type: str = opt("dapo", "grpo, bnpo, dr_grpo or dapo (README: how each normalizes)")
+    loss_type: str = opt("dapo", "grpo, step_token_mean, dr_grpo or dapo (README: how each normalizes)")
     mask_truncated_completions: bool = opt(False, "drop completions that hit max_completion_length from the loss")
     reuse_target_kl: float | None = opt(None, "adaptive reuse: skip a rollout's remaining passes once a pass's mean "
                                         "approximate KL to the sampling policy exceeds this; null = off")
@@ -113,7 +113,8 @@ class Config:
     # --- batch shape (per rank) --------------------------------------------------------
     per_device_train_batch_size: int = opt(8, "completions per micro-batch")
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
-    steps_per_generation: int = opt(1, "optimizer steps fed by one rollout per pass")
+    optimizer_steps_per_pass: int = opt(1, "optimizer steps per pass over a rollout (TRL's steps_per_generation "
+                                        "counts micro-batches: it is this x gradient_accumulation_steps)")
     # --- optimizer ---------------------------------------------------------------------
     learning_rate: float = opt(1e-6, "AdamW learning rate (constant)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
@@ -143,7 +144,8 @@ class Config:
     @property
     def completions_per_rollout(self) -> int:
         """Completions one rank generates per rollout."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.steps_per_generation
+        return (self.per_device_train_batch_size * self.gradient_accumulation_steps
+                * self.optimizer_steps_per_pass)
 
     @property
     def prompts_per_rollout(self) -> int:
@@ -153,7 +155,7 @@ class Config:
     @property
     def needs_old_logps(self) -> bool:
         """Old log-probs differ from logp.detach() only when a rollout feeds several optimizer steps."""
-        return self.num_iterations > 1 or self.steps_per_generation > 1
+        return self.num_iterations > 1 or self.optimizer_steps_per_pass > 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -210,12 +212,15 @@ class HelpRequested(Exception):
 # Names a TRL config has that mean something else here or have no equal: what to write instead.
 TRL_NAMES = {
     "generation_batch_size": "a rank's rollout holds per_device_train_batch_size x gradient_accumulation_steps x "
-                             "steps_per_generation completions",
+                             "optimizer_steps_per_pass completions",
     "reward_weights": "give each reward_funcs entry its weight: {func: NAME, weight: W}",
     "use_vllm": "generation_backend: vllm", "vllm_mode": "generation_backend: vllm (always colocated here)",
     "dataset_train_split": "dataset_split", "vllm_max_model_length": "vllm_max_model_len",
     "report_to": "report_to_tensorboard: true (metrics.jsonl is always written)",
     "num_train_epochs": "max_steps (optimizer steps)", "generation_kwargs": "the sampling fields themselves (stop, ...)",
+    **dict.fromkeys([f"vllm_importance_sampling_{k}" for k in ("cap", "correction", "mode", "clip_max", "clip_min")],
+                    "vllm_tis_cap: C (per-token truncation at C, TRL's mode token_truncate; its default, "
+                    "sequence_mask, is not implemented)"),
 }
 
 
@@ -240,6 +245,12 @@ def help_text() -> str:
 
 def unknown_key_message(key: str, values: dict) -> str:
     """Why `key` is not a field: TRL's meaning if it is a TRL name, else the closest field's name."""
+    if key == "steps_per_generation":  # same name as TRL's would mean something else: renamed
+        spg, ga = values.get(key), values.get("gradient_accumulation_steps", 1)
+        exact = isinstance(spg, int) and isinstance(ga, int) and ga > 0 and spg % ga == 0
+        return (f"{key}: TRL counts micro-batches per generation, this recipe counts optimizer steps per pass over "
+                f"a rollout: use optimizer_steps_per_pass = steps_per_generation / gradient_accumulation_steps"
+                + (f" = {spg} / {ga} = {spg // ga}" if exact else ""))
     if key in TRL_NAMES:
         return f"{key}: TRL's field has no equal here; use {TRL_NAMES[key]}"
     close = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(Config)], n=1, cutoff=0.6)
@@ -324,11 +335,11 @@ def looks_like_file(name: str) -> bool:
 def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.num_generations >= 2, f"num_generations: must be >= 2 (group advantages need a group), got {cfg.num_generations}")
     need(cfg.num_iterations >= 1, f"num_iterations: mu must be >= 1, got {cfg.num_iterations}")
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "optimizer_steps_per_pass",
                  "max_steps", "max_completion_length", "max_prompt_length", "logging_steps"):
         need(getattr(cfg, name) >= 1, f"{name}: must be >= 1, got {getattr(cfg, name)}")
     need(cfg.completions_per_rollout % cfg.num_generations == 0,
-         f"num_generations: per_device_train_batch_size x gradient_accumulation_steps x steps_per_generation "
+         f"num_generations: per_device_train_batch_size x gradient_accumulation_steps x optimizer_steps_per_pass "
          f"= {cfg.completions_per_rollout} completions per rank must be divisible by num_generations = {cfg.num_generations}")
     need(0.0 < cfg.epsilon < 1.0, f"epsilon: must be in (0, 1), got {cfg.epsilon}")
     need(cfg.eps_high > 0.0, f"epsilon_high: must be > 0, got {cfg.epsilon_high}")
@@ -337,6 +348,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.reuse_max_clip_fraction is None or 0 < cfg.reuse_max_clip_fraction < 1,
          f"reuse_max_clip_fraction: must be in (0, 1) or null, got {cfg.reuse_max_clip_fraction}")
     need(cfg.beta >= 0.0, f"beta: must be >= 0, got {cfg.beta}")
+    need(cfg.loss_type != "bnpo", "loss_type: bnpo: TRL's bnpo divides each micro-batch by its own token count, so "
+         "its update depends on how the rollout is split; use step_token_mean (the step's tokens on all ranks) or dapo")
     need(cfg.loss_type in LOSS_TYPES, f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {cfg.loss_type!r}")
     need(cfg.scale_rewards in SCALE_REWARDS,
          f"scale_rewards: must be one of {', '.join(SCALE_REWARDS)}, got {cfg.scale_rewards!r}")
@@ -377,8 +390,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if cfg.generation_backend == "vllm":
         validate_vllm(cfg, world_size)
     else:
-        need(cfg.vllm_importance_sampling_cap is None,
-             "vllm_importance_sampling_cap: needs generation_backend: vllm "
+        need(cfg.vllm_tis_cap is None,
+             "vllm_tis_cap: needs generation_backend: vllm "
              "(the hf backend samples with the trainer's own weights)")
 
 
@@ -412,6 +425,6 @@ def validate_vllm(cfg: Config, world_size: int) -> None:
                           f"= {cfg.max_prompt_length + cfg.max_completion_length}")
     if cfg.vllm_kv_cache_mib is not None and cfg.vllm_kv_cache_mib < 1:
         raise ConfigError(f"vllm_kv_cache_mib: must be >= 1, got {cfg.vllm_kv_cache_mib}")
-    cap = cfg.vllm_importance_sampling_cap
+    cap = cfg.vllm_tis_cap
     if cap is not None and cap < 1.0:
-        raise ConfigError(f"vllm_importance_sampling_cap: must be >= 1 (it truncates ratios from above), got {cap}")
+        raise ConfigError(f"vllm_tis_cap: must be >= 1 (it truncates ratios from above), got {cap}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # a unit is a sequence; bnpo and dapo count tokens
+SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # a unit is a sequence; step_token_mean and dapo count tokens
 
 
 def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -62,14 +62,14 @@ def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, nor
     """Sum this micro-batch's loss units and divide by `normalizer` (see the module docstring).
 
     grpo: unit = a sequence's mean token loss; dr_grpo: a sequence's token-loss sum / max_completion_length;
-    bnpo and dapo: unit = a token (they differ only in the normalizer the caller passes).
+    step_token_mean and dapo: unit = a token (they differ only in the normalizer the caller passes).
     """
     masked = per_token * mask
     if loss_type == "grpo":
         units = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
     elif loss_type == "dr_grpo":
         units = masked.sum(-1) / max_completion_length
-    elif loss_type in ("bnpo", "dapo"):
+    elif loss_type in ("step_token_mean", "dapo"):
         units = masked
     else:
         raise ValueError(f"loss_type: unknown {loss_type!r}")
@@ -82,7 +82,7 @@ def loss_normalizers(loss_type: str, step_tokens: torch.Tensor, step_sequences: 
 
     `step_tokens` [passes, steps]: active completion tokens of each step, summed over all ranks (known at
     rollout time); `step_sequences`: sequences per step on each rank (the same on every rank).
-    grpo, dr_grpo: the step's sequences; bnpo: the step's tokens; dapo: the rollout's mean tokens per step,
+    grpo, dr_grpo: the step's sequences; step_token_mean: the step's tokens; dapo: the rollout's mean tokens per step,
     the same for every step of a pass.
     """
     passes, steps = step_tokens.shape
@@ -90,7 +90,7 @@ def loss_normalizers(loss_type: str, step_tokens: torch.Tensor, step_sequences: 
         return torch.full((passes, steps), float(step_sequences))  # (sequences x world) / world
     if loss_type == "dapo":
         step_tokens = step_tokens.sum(dim=1, keepdim=True).expand(passes, steps) / steps
-    elif loss_type != "bnpo":
+    elif loss_type != "step_token_mean":
         raise ValueError(f"loss_type: unknown {loss_type!r}")
     return step_tokens.clamp(min=1.0) / world_size
 

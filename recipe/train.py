@@ -178,7 +178,7 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             skip_rest = reuse.enabled and done.last_in_pass and reuse.pass_done()
             state.step += 1
             state.old_logp_forwards += done.old_logp_forwards
-            last_step = (cfg.num_iterations - 1, cfg.steps_per_generation - 1)  # skipped passes count as done
+            last_step = (cfg.num_iterations - 1, cfg.optimizer_steps_per_pass - 1)  # skipped passes count as done
             state.position = last_step if skip_rest else (done.pass_index, done.step_index)
             state.reuse = reuse.state_dict()
             now = time.perf_counter()

@@ -1,5 +1,5 @@
 """The rollout-update protocol, owned by `train_on_rollout`: old log-probs, loss normalizers, and mu passes x
-steps_per_generation gradient-accumulated optimizer steps. The loop, the tests' workers and the benchmarks
+optimizer_steps_per_pass gradient-accumulated optimizer steps. The loop, the tests' workers and the benchmarks
 all train through it.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ STEP_SUMS = ("loss", "clip_low", "clip_high", "clip_region", "tokens", "kl", "ra
 class StepResult:
     """One optimizer step of a rollout's update."""
     pass_index: int  # which pass over the rollout (0 .. num_iterations - 1)
-    step_index: int  # which optimizer step of that pass (0 .. steps_per_generation - 1)
+    step_index: int  # which optimizer step of that pass (0 .. optimizer_steps_per_pass - 1)
     last_in_pass: bool
     stats: dict  # over all ranks: loss, clip ratios, ratio_mean, approx_kl, train_tokens, [kl, is_ratio_*, grad_norm]
     old_logp_forwards: int  # no-grad micro-batch forwards spent on old log-probs just before this step
@@ -49,7 +49,7 @@ def _to_device(mb: dict) -> dict:
 
 def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[int, int] | None = None,
                      timer: Timer | None = None) -> Iterator[StepResult]:
-    """Every optimizer step this rollout feeds: mu passes, each split into steps_per_generation steps.
+    """Every optimizer step this rollout feeds: mu passes, each split into optimizer_steps_per_pass steps.
 
     A fresh rollout (`after` None) first gets the old log-probs that its first pass cannot capture for itself
     (see buffer.py); `after` = (pass, step) of the last step done resumes a rollout mid-cycle, whose buffer
@@ -57,7 +57,7 @@ def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[
     old_logp, train, and inside train: forward, backward, optimizer.
     """
     timer = timer or Timer()
-    plan = buf.plan(cfg.num_iterations, cfg.steps_per_generation, cfg.per_device_train_batch_size)
+    plan = buf.plan(cfg.num_iterations, cfg.optimizer_steps_per_pass, cfg.per_device_train_batch_size)
     forwards = 0
     if after is None:
         with timer("old_logp"):
@@ -79,7 +79,7 @@ def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[
 @torch.no_grad()
 def compute_old_logps(engine, buf: RolloutBuffer, micro_batches: list[torch.Tensor], temperature: float) -> int:
     """No-grad forwards for samples whose old log-probs cannot be captured for free: those of the first pass's
-    later optimizer steps (steps_per_generation > 1), by which time the policy has moved. Returns the forwards."""
+    later optimizer steps (optimizer_steps_per_pass > 1), by which time the policy has moved. Returns the forwards."""
     for idx in micro_batches:
         mb = _to_device(buf.micro_batch(idx))
         logp = forward_logps(engine, mb["input_ids"], mb["attention_mask"], mb["completion_mask"].shape[1], temperature)
@@ -90,7 +90,7 @@ def compute_old_logps(engine, buf: RolloutBuffer, micro_batches: list[torch.Tens
 def normalizers(buf: RolloutBuffer, plan: list, cfg: Config) -> torch.Tensor:
     """Per [pass, step]: the loss normalizer. The global token counts are known at rollout time: one all-reduce."""
     counts = all_reduce_named({"tokens": buf.token_counts(plan).to(device())})["tokens"].cpu()
-    sequences = len(buf) // cfg.steps_per_generation
+    sequences = len(buf) // cfg.optimizer_steps_per_pass
     return loss_normalizers(cfg.loss_type, counts, sequences, dist.get_world_size())
 
 
@@ -99,7 +99,7 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
     """Backward over each micro-batch, then one optimizer step. Returns step statistics over all ranks."""
     sums = {name: torch.zeros((), device=device()) for name in STEP_SUMS}
     is_max = torch.zeros(1, device=device())
-    cap = cfg.vllm_importance_sampling_cap
+    cap = cfg.vllm_tis_cap
     for idx in micro_batches:
         mb = _to_device(buf.micro_batch(idx))
         mask, c_len = mb["completion_mask"], mb["completion_mask"].shape[1]

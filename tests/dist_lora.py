@@ -19,7 +19,7 @@ from recipe.config import Config
 from recipe.generation import build_generator
 from recipe.update import forward_logps
 
-CASE = dict(use_peft=True, lora_r=16, lora_alpha=32, loss_type="grpo", num_iterations=2, steps_per_generation=2,
+CASE = dict(use_peft=True, lora_r=16, lora_alpha=32, loss_type="grpo", num_iterations=2, optimizer_steps_per_pass=2,
             gradient_accumulation_steps=2, beta=0.1)
 PROMPTS = ["TITLE: merged adapters", "POST: greedy tokens from the merged weights, please"]
 PROBE = "model.layers.0.self_attn.q_proj"  # one LoRA layer whose merged weight the test recomputes

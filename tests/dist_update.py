@@ -69,7 +69,7 @@ def run_case(cfg: Config, rank: int, world: int):
     buf.store_old_logps = counting_store
     steps = list(train_on_rollout(engine, ref, buf, cfg))
     assert [(s.pass_index, s.step_index) for s in steps] == [
-        (p, s) for p in range(cfg.num_iterations) for s in range(cfg.steps_per_generation)]
+        (p, s) for p in range(cfg.num_iterations) for s in range(cfg.optimizer_steps_per_pass)]
     forwards = sum(s.old_logp_forwards for s in steps)
     return engine, ref, buf, forwards, stores, [s.stats for s in steps]
 

@@ -41,7 +41,7 @@ def test_missing_trl_fails_at_once_with_how_to_install(tmp_path):
 
 @pytest.mark.parametrize("spg", [1, 3])
 def test_trl_batch_shape_matches_the_recipe(spg):
-    cfg = quickstart(f"steps_per_generation={spg}", "per_device_train_batch_size=4")
+    cfg = quickstart(f"optimizer_steps_per_pass={spg}", "per_device_train_batch_size=4")
     world, mu = 2, 4
     f = vs_trl.trl_fields(cfg, mu, max_steps=40, cuda=False)
     # TRL 1.16 (GRPOConfig.__post_init__): generation_batch_size = per_device x world x steps_per_generation, one
@@ -52,7 +52,7 @@ def test_trl_batch_shape_matches_the_recipe(spg):
     assert f["per_device_train_batch_size"] * f["gradient_accumulation_steps"] == \
         cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     micro_steps_per_rollout = f["steps_per_generation"] * f["num_iterations"]
-    assert micro_steps_per_rollout // f["gradient_accumulation_steps"] == mu * cfg.steps_per_generation
+    assert micro_steps_per_rollout // f["gradient_accumulation_steps"] == mu * cfg.optimizer_steps_per_pass
     assert f["num_generations"] == cfg.num_generations and f["max_completion_length"] == cfg.max_completion_length
     assert f["lr_scheduler_type"] == "constant" and f["use_vllm"] is False and f["bf16"] is False
     assert f["gradient_checkpointing"] is False and f["save_strategy"] == "no"

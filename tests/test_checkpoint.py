@@ -188,3 +188,18 @@ def test_rng_states_round_trip():
     set_rng_state(state)
     b = (random.random(), torch.rand(3), np.random.rand(2))
     assert a[0] == b[0] and torch.equal(a[1], b[1]) and (a[2] == b[2]).all()
+
+
+def test_resume_config_check_ignores_fields_added_later_at_their_default(tmp_path):
+    import json
+
+    from recipe.config import Config
+
+    folder = tmp_path / "step-1"
+    folder.mkdir()
+    old = Config().to_dict()
+    del old["stop"], old["system_prompt"]  # a checkpoint written before these fields existed
+    (folder / "meta.json").write_text(json.dumps({"config": old, "world_size": 1}))
+    Checkpointer(Config(), 0, 1).check_config(folder)
+    with pytest.raises(CheckpointError, match=r"the config differs in stop: \[\] -> \['x'\]"):
+        Checkpointer(Config(stop=["x"]), 0, 1).check_config(folder)

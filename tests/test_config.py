@@ -24,11 +24,11 @@ def test_yaml_and_cli_overrides():
 
 
 def test_derived_sizes():
-    cfg = Config(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3,
+    cfg = Config(per_device_train_batch_size=4, gradient_accumulation_steps=2, optimizer_steps_per_pass=3,
                  num_generations=4)
     assert cfg.completions_per_rollout == 24 and cfg.prompts_per_rollout == 6
-    assert not Config(num_iterations=1, steps_per_generation=1).needs_old_logps
-    assert Config(num_iterations=2).needs_old_logps and Config(steps_per_generation=2).needs_old_logps
+    assert not Config(num_iterations=1, optimizer_steps_per_pass=1).needs_old_logps
+    assert Config(num_iterations=2).needs_old_logps and Config(optimizer_steps_per_pass=2).needs_old_logps
 
 
 @pytest.mark.parametrize("args, message, caught_by", [
@@ -112,6 +112,26 @@ def test_help_lists_every_field_with_type_default_and_description():
     proc = subprocess.run([sys.executable, "-m", "recipe.train", "--help"], cwd=REPO, env=rank_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == text and not proc.stderr.strip()
+
+
+def test_a_trl_style_config_fails_with_what_to_use(tmp_path):
+    """Names TRL has with another meaning are not fields here: a TRL config says what to write instead."""
+    trl = tmp_path / "trl.yaml"
+    trl.write_text("per_device_train_batch_size: 8\ngradient_accumulation_steps: 2\nsteps_per_generation: 4\n"
+                   "num_generations: 8\nloss_type: dapo\n")
+    with pytest.raises(ConfigError, match=r"^steps_per_generation: TRL counts micro-batches per generation, this "
+                                          r"recipe counts optimizer steps .*: use optimizer_steps_per_pass = "
+                                          r"steps_per_generation / gradient_accumulation_steps = 4 / 2 = 2$"):
+        load_config(["--config", str(trl)])
+    trl.write_text(trl.read_text().replace("steps_per_generation: 4", "optimizer_steps_per_pass: 2"))
+    cfg = load_config(["--config", str(trl)])
+    assert cfg.completions_per_rollout == 8 * 2 * 2  # what TRL's generation batch per rank was
+    with pytest.raises(ConfigError, match=r"^loss_type: bnpo: TRL's bnpo divides each micro-batch by its own token "
+                                          r"count.*use step_token_mean"):
+        load_config(["--config", str(trl), "--loss_type", "bnpo"])
+    with pytest.raises(ConfigError, match=r"^vllm_importance_sampling_cap: TRL's field has no equal here; use "
+                                          r"vllm_tis_cap: C"):
+        load_config(["--config", str(trl), "--vllm_importance_sampling_cap", "3.0"])
 
 
 def test_missing_config_file_and_bad_cli():

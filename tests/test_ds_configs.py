@@ -41,7 +41,7 @@ def test_every_config_file_is_plain_json_with_a_zero_stage():
 @pytest.mark.slow
 def test_zero2_and_offload_give_the_single_process_reference_update(tmp_path, tiny_model_dir):
     """Two ranks, mu = 2, two steps per rollout, KL to the reference model: same weights as plain PyTorch."""
-    case = {"loss_type": "grpo", "num_iterations": 2, "steps_per_generation": 2, "gradient_accumulation_steps": 2,
+    case = {"loss_type": "grpo", "num_iterations": 2, "optimizer_steps_per_pass": 2, "gradient_accumulation_steps": 2,
             "beta": 0.1}
     cases = [{"name": n, "deepspeed_config": f"ds_configs/{n}.json", **case} for n in ("zero2", "zero3_offload")]
     got = run_cases(tmp_path, 2, cases, "ds_configs")

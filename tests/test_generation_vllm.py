@@ -48,8 +48,8 @@ def test_missing_vllm_is_one_line_config_error(monkeypatch):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--vllm_importance_sampling_cap", "2.0"], "vllm_importance_sampling_cap: needs generation_backend: vllm"),
-    (["--generation_backend", "vllm", "--vllm_importance_sampling_cap", "0.5"], "must be >= 1"),
+    (["--vllm_tis_cap", "2.0"], "vllm_tis_cap: needs generation_backend: vllm"),
+    (["--generation_backend", "vllm", "--vllm_tis_cap", "0.5"], "must be >= 1"),
     (["--generation_backend", "vllm", "--vllm_max_model_len", "64"], "vllm_max_model_len: 64 is shorter"),
     (["--generation_backend", "vllm", "--vllm_tensor_parallel_size", "3"], "vllm_tensor_parallel_size: must be >= 1 and divide"),
     (["--generation_backend", "vllm", "--vllm_gpu_memory_utilization", "1.5"], "vllm_gpu_memory_utilization: must be in"),
@@ -89,7 +89,7 @@ def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path, tp):
 def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     out = tmp_path / "qs"
     torchrun(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--generation_backend", "vllm",
-                 "--max_steps", "80", "--vllm_importance_sampling_cap", "2.0", "--output_dir", str(out),
+                 "--max_steps", "80", "--vllm_tis_cap", "2.0", "--output_dir", str(out),
                  "--disable_tqdm", "true"],
              timeout=1200)
     records = read_jsonl(out / "metrics.jsonl")

@@ -7,7 +7,7 @@ import torch
 from recipe.loss import (clip_counts, group_advantages, k3_kl, loss_normalizers, policy_loss, reduce_loss,
                          token_logps, truncated_is_weights)
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo")
 
 
 def _batch(seed=0, b=4, t=6):
@@ -92,7 +92,7 @@ def test_clipping_zeroes_gradient_exactly_where_it_should():
     old = torch.zeros(2, 5)
     logp = torch.log(ratios).requires_grad_(True)
     mask = torch.ones(2, 5)
-    loss, stats = policy_loss(logp, old, adv, mask, loss_type="bnpo", eps_low=eps_lo, eps_high=eps_hi,
+    loss, stats = policy_loss(logp, old, adv, mask, loss_type="step_token_mean", eps_low=eps_lo, eps_high=eps_hi,
                               normalizer=1.0, max_completion_length=5)
     (g,) = torch.autograd.grad(loss, logp)
     # A > 0: only r > 1 + eps_hi (1.6) is clipped; A < 0: only r < 1 - eps_lo (0.5) is clipped.
@@ -109,7 +109,7 @@ def test_reduce_loss_units_and_mask():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     assert reduce_loss(per_token, mask, "grpo", 2.0, 3).item() == pytest.approx((1.5 + 5.0) / 2)
     assert reduce_loss(per_token, mask, "dr_grpo", 2.0, 3).item() == pytest.approx((3 / 3 + 15 / 3) / 2)
-    assert reduce_loss(per_token, mask, "bnpo", 5.0, 3).item() == pytest.approx(18 / 5)
+    assert reduce_loss(per_token, mask, "step_token_mean", 5.0, 3).item() == pytest.approx(18 / 5)
     with pytest.raises(ValueError, match="loss_type"):
         reduce_loss(per_token, mask, "ppo", 1.0, 3)
 
@@ -195,7 +195,7 @@ def test_loss_normalizers_are_each_loss_types_units_per_step_over_world():
     tokens = torch.tensor([[30.0, 50.0, 0.0], [40.0, 20.0, 20.0]])  # [pass, step], summed over 2 ranks
     for lt in ("grpo", "dr_grpo"):
         assert loss_normalizers(lt, tokens, step_sequences=8, world_size=2).tolist() == [[8.0] * 3] * 2
-    assert loss_normalizers("bnpo", tokens, 8, 2).tolist() == [[15.0, 25.0, 0.5], [20.0, 10.0, 10.0]]
+    assert loss_normalizers("step_token_mean", tokens, 8, 2).tolist() == [[15.0, 25.0, 0.5], [20.0, 10.0, 10.0]]
     assert loss_normalizers("dapo", tokens, 8, 2).flatten().tolist() == pytest.approx([80 / 3 / 2] * 6)
     with pytest.raises(ValueError, match="loss_type"):
         loss_normalizers("ppo", tokens, 8, 2)

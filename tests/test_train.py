@@ -27,10 +27,10 @@ def check_final_model(out):
     assert torch.isfinite(logits).all()
 
 
-def test_plain_process_with_kl_and_two_steps_per_generation(tmp_path):
+def test_plain_process_with_kl_and_two_optimizer_steps_per_pass(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, *SHORT,
-                           "--num_iterations", "2", "--steps_per_generation", "2", "--beta", "0.05",
+                           "--num_iterations", "2", "--optimizer_steps_per_pass", "2", "--beta", "0.05",
                            "--output_dir", str(out)], cwd=REPO, env=rank_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

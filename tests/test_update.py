@@ -8,7 +8,7 @@ from conftest import torchrun
 from dist_update import BASE, local_buffer
 from recipe.config import Config
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo")
 
 
 def run_cases(tmp_path, nproc, cases, tag):
@@ -41,7 +41,7 @@ def reference_update(tiny_model_dir, cfg: Config, world: int, wrap=None):
     bufs = [local_buffer(cfg, r, world) for r in range(world)]
     with torch.no_grad():
         old = [ref_logps(model, b, torch.arange(len(b))) for b in bufs]
-    spg = cfg.steps_per_generation
+    spg = cfg.optimizer_steps_per_pass
     rollout_tokens = sum(b.completion_mask.sum() for b in bufs)
     kls, clips = [], []
     for p in range(cfg.num_iterations):
@@ -66,7 +66,7 @@ def reference_update(tiny_model_dir, cfg: Config, world: int, wrap=None):
                 loss = sum(((t * m).sum(-1) / m.sum(-1)).sum() for t, m in terms) / n_seq
             elif cfg.loss_type == "dr_grpo":
                 loss = sum((t * m).sum() for t, m in terms) / (n_seq * cfg.max_completion_length)
-            elif cfg.loss_type == "bnpo":
+            elif cfg.loss_type == "step_token_mean":
                 loss = sum((t * m).sum() for t, m in terms) / n_tok
             else:  # dapo: the rollout's tokens per step
                 loss = sum((t * m).sum() for t, m in terms) / (rollout_tokens / spg)
@@ -87,9 +87,9 @@ def max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.slow
 def test_zero3_two_ranks_mu2_equals_single_process_reference(tmp_path, tiny_model_dir):
-    cases = [{"name": lt, "loss_type": lt, "num_iterations": 2, "steps_per_generation": 2,
+    cases = [{"name": lt, "loss_type": lt, "num_iterations": 2, "optimizer_steps_per_pass": 2,
               "gradient_accumulation_steps": 2} for lt in LOSS_TYPES]
-    cases.append({"name": "kl", "loss_type": "grpo", "num_iterations": 2, "steps_per_generation": 2,
+    cases.append({"name": "kl", "loss_type": "grpo", "num_iterations": 2, "optimizer_steps_per_pass": 2,
                   "gradient_accumulation_steps": 2, "beta": 0.1})
     got = run_cases(tmp_path, 2, [dict(c) for c in cases], "parity")
     for case in cases:
@@ -111,7 +111,7 @@ def test_zero3_two_ranks_mu2_equals_single_process_reference(tmp_path, tiny_mode
         assert got[name]["stores"].tolist() == [1] * len(got[name]["stores"])
         torch.testing.assert_close(got[name]["old_logps"].nan_to_num(0) * local_buffer(cfg, 0, 2).completion_mask,
                                    old[0] * local_buffer(cfg, 0, 2).completion_mask, atol=1e-5, rtol=1e-5)
-        # steps_per_generation = 2: the second step's half of the rollout needs a forward (gas micro-batches).
+        # optimizer_steps_per_pass = 2: the second step's half of the rollout needs a forward (gas micro-batches).
         assert got[name]["old_logp_forwards"] == cfg.gradient_accumulation_steps
 
 

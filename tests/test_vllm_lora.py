@@ -17,7 +17,7 @@ from test_generation_vllm import needs_vllm
 
 MODES = ["merged", "adapter"]
 QUICKSTART_LORA_VLLM = ["-m", "recipe.train", "--config", "recipe/configs/quickstart_lora.yaml",
-                        "--generation_backend", "vllm", "--vllm_importance_sampling_cap", "2.0", "--max_steps", "16",
+                        "--generation_backend", "vllm", "--vllm_tis_cap", "2.0", "--max_steps", "16",
                         "--save_total_limit", "0", "--disable_tqdm", "true"]
 
 
