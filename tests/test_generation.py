@@ -1,9 +1,10 @@
-"""HF generation on ZeRO-3 shards: gathered once per rollout, same tokens as the plain model, EOS masking."""
+"""HF generation on ZeRO-3 shards: gathered once per rollout, same tokens as the plain model, EOS masking;
+stop strings on both backends."""
 import json
 
 import pytest
 
-from conftest import torchrun
+from conftest import needs_vllm, torchrun
 from recipe.generation import finish
 
 
@@ -49,9 +50,10 @@ def test_zero3_generation_matches_plain_model_and_gathers_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_stop_strings_end_completions_hf(tmp_path):
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=needs_vllm)])
+def test_stop_strings_end_completions(tmp_path, backend):
     out = tmp_path / "stop.json"
-    torchrun(1, ["tests/dist_stop.py", str(out), "hf"], timeout=900)
-    r = json.loads(out.read_text())["hf"]
+    torchrun(1, ["tests/dist_stop.py", str(out), backend], timeout=900)
+    r = json.loads(out.read_text())[backend]
     assert not r["bad"], f"completions that do not end at EOS, a stop string or max length: {r['bad']}"
     assert r["stopped"] >= r["n"] // 2, f"only {r['stopped']} of {r['n']} samples ended at a stop string"
