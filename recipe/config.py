@@ -60,7 +60,8 @@ class Config:
     use_peft: bool = opt(False, "train a LoRA adapter only; the frozen base is the KL reference")
     lora_r: int = opt(16, "adapter rank")
     lora_alpha: int = opt(32, "adapter scale: the update is alpha / r * B A")
-    lora_dropout: float = opt(0.0, "must be 0: the recipe trains without dropout, so the trained policy is the sampling one")
+    lora_dropout: float = opt(0.0, "must be 0: the recipe trains without dropout (the trained policy is the "
+                                   "sampling one)")
     lora_target_modules: list = opt(["all-linear"], "module names to adapt, or all-linear (every linear but the head)")
     save_merged: bool = opt(False, "with use_peft, also write OUTPUT_DIR/final-merged (adapter merged into the model)")
     # --- data --------------------------------------------------------------------------
@@ -73,7 +74,8 @@ class Config:
                                     "template); a row's own system message wins")
     chat_template: str | bool = opt("auto", "auto = apply the tokenizer's chat template when it has one; true; false")
     chat_template_kwargs: dict = opt({}, "extra arguments of apply_chat_template, e.g. {enable_thinking: false}")
-    max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens (counted in prompts_truncated)")
+    max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens (counted in "
+                                      "prompts_truncated)")
     # --- generation --------------------------------------------------------------------
     generation_backend: str = opt("hf", "hf (transformers generate on the training weights) or vllm (colocated engine)")
     num_generations: int = opt(8, "G: completions per prompt (a group; all G are generated on one rank)")
@@ -89,7 +91,8 @@ class Config:
     vllm_tensor_parallel_size: int = opt(1, "consecutive ranks that shard one vLLM engine (divides the world size)")
     vllm_enable_sleep_mode: bool = opt(False, "GPU only: release vLLM's KV cache and weights while training")
     vllm_max_model_len: int | None = opt(None, "vLLM context length; null = max_prompt_length + max_completion_length")
-    vllm_kv_cache_mib: int | None = opt(None, "vLLM KV cache size; null = from the utilization (GPU), one rollout (CPU)")
+    vllm_kv_cache_mib: int | None = opt(None, "vLLM KV cache size; null = from the utilization (GPU), one "
+                                              "rollout (CPU)")
     vllm_tis_cap: float | None = opt(None, "truncated importance sampling of vLLM's drift, per token: weight "
                                      "min(exp(old_logp - vllm_logp), cap); null = off")
     vllm_lora_sync: str = opt("merged", "with use_peft: merged (base + delta via reload_weights) or adapter "
@@ -217,7 +220,8 @@ TRL_NAMES = {
     "use_vllm": "generation_backend: vllm", "vllm_mode": "generation_backend: vllm (always colocated here)",
     "dataset_train_split": "dataset_split", "vllm_max_model_length": "vllm_max_model_len",
     "report_to": "report_to_tensorboard: true (metrics.jsonl is always written)",
-    "num_train_epochs": "max_steps (optimizer steps)", "generation_kwargs": "the sampling fields themselves (stop, ...)",
+    "num_train_epochs": "max_steps (optimizer steps)",
+    "generation_kwargs": "the sampling fields themselves (stop, ...)",
     **dict.fromkeys([f"vllm_importance_sampling_{k}" for k in ("cap", "correction", "mode", "clip_max", "clip_min")],
                     "vllm_tis_cap: C (per-token truncation at C, TRL's mode token_truncate; its default, "
                     "sequence_mask, is not implemented)"),
@@ -358,7 +362,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.top_k >= 0, f"top_k: must be >= 0, got {cfg.top_k}")
     need(cfg.min_p is None or 0.0 <= cfg.min_p < 1.0, f"min_p: must be in [0, 1) or null, got {cfg.min_p}")
     need(cfg.repetition_penalty > 0.0, f"repetition_penalty: must be > 0, got {cfg.repetition_penalty}")
-    need(all(isinstance(s, str) and s for s in cfg.stop), f"stop: must be a list of non-empty strings, got {cfg.stop!r}")
+    need(all(isinstance(s, str) and s for s in cfg.stop),
+         f"stop: must be a list of non-empty strings, got {cfg.stop!r}")
     check_sampling_is_scored(cfg)
     need(cfg.learning_rate > 0.0, f"learning_rate: must be > 0, got {cfg.learning_rate}")
     need(cfg.save_steps >= 0, f"save_steps: must be >= 0, got {cfg.save_steps}")

@@ -148,8 +148,8 @@ class PromptStream:
             raise DataError("chat_template: true, but the tokenizer has no chat template")
         self.use_chat = has_template and mode != "false"
         if cfg.chat_template_kwargs and not self.use_chat:
-            raise DataError("chat_template_kwargs: given, but no chat template is applied "
-                            f"(chat_template: {cfg.chat_template}, tokenizer template: {'yes' if has_template else 'none'})")
+            raise DataError("chat_template_kwargs: given, but no chat template is applied (chat_template: "
+                            f"{cfg.chat_template}, tokenizer template: {'yes' if has_template else 'none'})")
         self._perms: dict[int, torch.Tensor] = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:

@@ -110,7 +110,8 @@ def test_dataset_config_picks_the_config_and_split_slices(tmp_path):
     assert load(dataset_config="main") == ["m0", "m1", "m2", "m3"]
     assert load(dataset_config="main", dataset_split="train[:50%]") == ["m0", "m1"]
     assert load(dataset_config="main", dataset_split="train[-1:]") == ["m3"]
-    with pytest.raises(DataError, match=r"^dataset_config: .*pick one among the available configs: \['main', 'socratic'\]"):
+    with pytest.raises(DataError, match=r"^dataset_config: .*pick one among the available configs: "
+                                        r"\['main', 'socratic'\]"):
         load()
     with pytest.raises(DataError, match=r"^dataset_config: .*'nope' not found"):
         load(dataset_config="nope")
