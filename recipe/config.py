@@ -233,6 +233,11 @@ def _type_name(typ: Any) -> str:
     return " | ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
 
 
+def _is_text(typ: Any) -> bool:
+    """A field that only holds text (or null)."""
+    return {a for a in typing.get_args(typ) or [typ] if a is not type(None)} == {str}
+
+
 def help_text() -> str:
     """Every field with its type, default and description, from the dataclass itself."""
     types = _field_types()
@@ -288,6 +293,8 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
             continue
         if key == "config":
             config_path = val
+        elif _is_text(types.get(key)) and val not in ("null", "~"):  # "Answer: N" is text, not a YAML mapping
+            overrides[key] = val
         else:
             try:
                 overrides[key] = yaml.safe_load(val) if val != "" else ""

@@ -98,6 +98,9 @@ def test_bare_flags_set_bools_true():
     assert load_config(["--disable_tqdm", "false"]).disable_tqdm is False  # an explicit value still works
     _, overrides = parse_cli(["--gradient_checkpointing", "--bf16"])
     assert overrides == {"gradient_checkpointing": True, "bf16": True}
+    # a text field takes the text as given (YAML would read "Answer: N" as a mapping)
+    _, overrides = parse_cli(["--system_prompt", "End with: Answer: N", "--dataset_config", "null", "--seed", "7"])
+    assert overrides == {"system_prompt": "End with: Answer: N", "dataset_config": None, "seed": 7}
 
 
 def test_help_lists_every_field_with_type_default_and_description():
