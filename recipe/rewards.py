@@ -69,6 +69,13 @@ def math_accuracy(prompts, completions, answer_column: str | None = None, **colu
 BUILTINS: dict[str, Callable] = {"length": length, "accuracy": accuracy, "math_accuracy": math_accuracy}
 
 
+def check_answer_columns(funcs: list["RewardFunc"], columns: list[str]) -> None:
+    """Before any work: the built-ins that read an answer column find one in the dataset."""
+    for f in funcs:
+        if f.fn in (accuracy, math_accuracy):
+            _answers(f.name, dict.fromkeys(columns), f.kwargs.get("answer_column"))
+
+
 # ---------------------------------------------------------------------------------------
 # loading
 # ---------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from recipe.loss import group_advantages
 from recipe.metrics import MetricsLogger, Timer, read_jsonl, reward_quarters
 from recipe.preflight import preflight
 from recipe.reuse import ReuseController
-from recipe.rewards import RewardError, RewardFunc, load_reward_funcs, score
+from recipe.rewards import RewardError, RewardFunc, check_answer_columns, load_reward_funcs, score
 from recipe.update import StepResult, train_on_rollout
 
 # the Timer's phases, logged as time_<phase>_s (forward, backward, optimizer: parts of train)
@@ -90,6 +90,8 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     path = eng.model_path(cfg)
     tokenizer = eng.load_tokenizer(path)
     stream = PromptStream(load_prompt_dataset(cfg), tokenizer, cfg, rank, world)
+    rewards = load_reward_funcs(cfg.reward_funcs)
+    check_answer_columns(rewards, stream.ds.column_names)  # before the model loads
     model = eng.load_model(path, cfg)
     engine = eng.init_engine(model, cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0.0 else None
@@ -101,7 +103,7 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
         if rank == 0:
             print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
     checkpointer.install_signal_handlers()
-    run = Run(cfg, rank, world, tokenizer, stream, engine, ref, load_reward_funcs(cfg.reward_funcs), generator,
+    run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator,
               checkpointer)
     return run, state
 
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run, state = setup(cfg)
-    except (DataError, CheckpointError, VLLMUnavailable) as e:
+    except (DataError, CheckpointError, VLLMUnavailable, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

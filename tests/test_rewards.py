@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tests.reward_fixtures as fixtures
-from recipe.rewards import RewardError, length, load_reward_funcs, score
+from recipe.rewards import RewardError, check_answer_columns, length, load_reward_funcs, score
 
 
 def test_length_reward_formula():
@@ -49,6 +49,9 @@ def test_bad_reward_output_names_function_and_sample(fn, message):
 
 def test_accuracy_without_answer_column():
     funcs = load_reward_funcs(["accuracy"])
+    with pytest.raises(RewardError, match="^reward 'accuracy': dataset has no column 'answer'"):
+        check_answer_columns(funcs, ["prompt", "reference"])  # before any work: setup checks the columns
+    check_answer_columns(funcs, ["prompt", "solution"])
     with pytest.raises(RewardError, match="no column 'answer'"):
         score(funcs, ["p"], ["a"], {"reference": ["a"]})
     assert score(funcs, ["p"], ["a"], {"solution": ["a"]})[0].tolist() == [1.0]  # TRL's column name

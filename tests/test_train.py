@@ -66,6 +66,16 @@ def test_bad_reward_stops_every_rank_with_its_name(tmp_path):
     assert not (out / "final").exists()
 
 
+def test_answer_reward_without_answer_column_stops_before_the_model_loads(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, "--reward_funcs",
+                           "[math_accuracy]", "--output_dir", str(out)], cwd=REPO, env=cpu_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: reward 'math_accuracy': dataset has no column 'answer' (have ['post', 'prompt'])" in proc.stderr
+    assert "Loading weights" not in proc.stderr and not (out / "metrics.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_quickstart_end_to_end_reward_rises(tmp_path):
     """The README's first command, as on a fresh machine: an empty model cache (CI keeps ~/.cache)."""
