@@ -41,7 +41,8 @@ def completion_text(completion) -> str:
 def _answers(name: str, columns: dict, answer_column: str | None) -> list:
     column = answer_column or next((c for c in ("answer", "solution") if c in columns), "answer")
     if column not in columns:
-        raise RewardError(f"reward {name!r}: dataset has no column {column!r} (have {sorted(columns)}); "
+        have = sorted(c for c in columns if c != "completion_ids")
+        raise RewardError(f"reward {name!r}: dataset has no column {column!r} (have {have}); "
                           "name it with kwargs: {answer_column: ...}")
     return columns[column]
 
