@@ -52,16 +52,14 @@ def opt(default: Any, help: str):
 @dataclass
 class Config:
     # --- model -------------------------------------------------------------------------
-    model_name_or_path: str = opt("builtin:tiny-qwen2", "a model folder, a hub name, or a built-in tiny model: "
-                                  "builtin:tiny-qwen2 (hidden 128) or builtin:tiny-qwen2-h64 (hidden 64)")
+    model_name_or_path: str = opt("builtin:tiny-qwen2", "a model folder, a hub name, or builtin:tiny-qwen2(-h64)")
     bf16: str | bool = opt("auto", "auto = bf16 on GPUs, fp32 on CPU; or true / false")
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass (less memory, slower)")
     # --- LoRA (peft) -------------------------------------------------------------------
     use_peft: bool = opt(False, "train a LoRA adapter only; the frozen base is the KL reference")
     lora_r: int = opt(16, "adapter rank")
     lora_alpha: int = opt(32, "adapter scale: the update is alpha / r * B A")
-    lora_dropout: float = opt(0.0, "must be 0: the recipe trains without dropout (the trained policy is the "
-                                   "sampling one)")
+    lora_dropout: float = opt(0.0, "must be 0: no dropout, so the trained policy is the sampling one")
     lora_target_modules: list = opt(["all-linear"], "module names to adapt, or all-linear (every linear but the head)")
     save_merged: bool = opt(False, "with use_peft, also write OUTPUT_DIR/final-merged (adapter merged into the model)")
     # --- data --------------------------------------------------------------------------
@@ -70,12 +68,10 @@ class Config:
     dataset_config: str | None = opt(None, "the dataset's config name (e.g. main for openai/gsm8k); null = none")
     dataset_split: str = opt("train", "split to train on; slices work: train[:1000], train[10%:]")
     prompt_column: str = opt("prompt", "column holding each prompt: text, or a list of chat messages {role, content}")
-    system_prompt: str | None = opt(None, "system message put before each prompt (a text prefix without a chat "
-                                    "template); a row's own system message wins")
+    system_prompt: str | None = opt(None, "a system message before each prompt (no chat template: a text prefix)")
     chat_template: str | bool = opt("auto", "auto = apply the tokenizer's chat template when it has one; true; false")
     chat_template_kwargs: dict = opt({}, "extra arguments of apply_chat_template, e.g. {enable_thinking: false}")
-    max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens (counted in "
-                                      "prompts_truncated)")
+    max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens")
     # --- generation --------------------------------------------------------------------
     generation_backend: str = opt("hf", "hf (transformers generate on the training weights) or vllm (colocated engine)")
     num_generations: int = opt(8, "G: completions per prompt (a group; all G are generated on one rank)")
@@ -91,8 +87,7 @@ class Config:
     vllm_tensor_parallel_size: int = opt(1, "consecutive ranks that shard one vLLM engine (divides the world size)")
     vllm_enable_sleep_mode: bool = opt(False, "GPU only: release vLLM's KV cache and weights while training")
     vllm_max_model_len: int | None = opt(None, "vLLM context length; null = max_prompt_length + max_completion_length")
-    vllm_kv_cache_mib: int | None = opt(None, "vLLM KV cache size; null = from the utilization (GPU), one "
-                                              "rollout (CPU)")
+    vllm_kv_cache_mib: int | None = opt(None, "vLLM KV cache size; null = from the utilization (GPU), one rollout")
     vllm_tis_cap: float | None = opt(None, "truncated importance sampling of vLLM's drift, per token: weight "
                                      "min(exp(old_logp - vllm_logp), cap); null = off")
     vllm_lora_sync: str = opt("merged", "with use_peft: merged (base + delta via reload_weights) or adapter "
@@ -111,8 +106,7 @@ class Config:
     mask_truncated_completions: bool = opt(False, "drop completions that hit max_completion_length from the loss")
     reuse_target_kl: float | None = opt(None, "adaptive reuse: skip a rollout's remaining passes once a pass's mean "
                                         "approximate KL to the sampling policy exceeds this; null = off")
-    reuse_max_clip_fraction: float | None = opt(None, "adaptive reuse: the same on the clipped-token fraction; "
-                                                "null = off")
+    reuse_max_clip_fraction: float | None = opt(None, "adaptive reuse: the same on the clipped-token fraction")
     # --- batch shape (per rank) --------------------------------------------------------
     per_device_train_batch_size: int = opt(8, "completions per micro-batch")
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
@@ -129,13 +123,11 @@ class Config:
     # --- run ---------------------------------------------------------------------------
     seed: int = opt(42, "seeds sampling, data order and initialization")
     output_dir: str = opt("output", "metrics.jsonl, checkpoints/ and final/ go here")
-    deepspeed_config: str = opt("ds_configs/zero3.json", "a DeepSpeed JSON; the recipe fills its batch, precision "
-                                "and optimizer fields")
+    deepspeed_config: str = opt("ds_configs/zero3.json", "a DeepSpeed JSON (the recipe fills batch and optimizer)")
     logging_steps: int = opt(1, "write metrics every N optimizer steps")
     save_steps: int = opt(100, "checkpoint every N optimizer steps (and at the end); 0 = never")
     save_total_limit: int = opt(2, "keep the newest N complete checkpoints; 0 = keep all")
-    resume_from_checkpoint: str | None = opt(None, "auto = the newest complete checkpoint in output_dir; or a "
-                                             "step-N folder")
+    resume_from_checkpoint: str | None = opt(None, "auto = the newest checkpoint in output_dir, or a step-N folder")
     report_to_tensorboard: bool = opt(False, "also write OUTPUT_DIR/tensorboard")
     disable_tqdm: bool = opt(False, "no progress bar")
 
@@ -167,7 +159,7 @@ class Config:
 # ------------------------------------------------------------------------------------------
 # loading
 # ------------------------------------------------------------------------------------------
-def _field_types() -> dict[str, Any]:
+def field_types() -> dict[str, Any]:
     return typing.get_type_hints(Config)
 
 
@@ -209,7 +201,7 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
 
 
 class HelpRequested(Exception):
-    """`--help` / `-h`: print `help_text()` and exit 0."""
+    """`--help` / `-h`: print `recipe.config_help.help_text()` and exit 0."""
 
 
 # Names a TRL config has that mean something else here or have no equal: what to write instead.
@@ -228,28 +220,9 @@ TRL_NAMES = {
 }
 
 
-def _type_name(typ: Any) -> str:
-    args = [a for a in typing.get_args(typ)] or [typ]
-    return " | ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
-
-
 def _is_text(typ: Any) -> bool:
     """A field that only holds text (or null)."""
     return {a for a in typing.get_args(typ) or [typ] if a is not type(None)} == {str}
-
-
-def help_text() -> str:
-    """Every field with its type, default and description, from the dataclass itself."""
-    types = _field_types()
-    lines = ["usage: python -m recipe.train [--config FILE.yaml] [--FIELD VALUE ...]", "",
-             "Fields come from the YAML file, then from --FIELD VALUE overrides (values are parsed as YAML:",
-             "--reward_funcs '[length, accuracy]'); a bare --FLAG sets a bool field to true.", "",
-             "  --config FILE.yaml", "      a YAML file of fields (e.g. recipe/configs/quickstart.yaml)"]
-    for f in dataclasses.fields(Config):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        shown = yaml.safe_dump(default, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
-        lines += [f"  --{f.name} ({_type_name(types[f.name])}, default: {shown})", f"      {f.metadata['help']}"]
-    return "\n".join(lines)
 
 
 def unknown_key_message(key: str, values: dict) -> str:
@@ -270,8 +243,8 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
     """`--config FILE` plus `--key value` / `--key=value` overrides (values parsed as YAML); a bare `--flag`
     sets a bool field to true; `--help` / `-h` raise HelpRequested."""
     if "--help" in argv or "-h" in argv:
-        raise HelpRequested(help_text())
-    types = _field_types()
+        raise HelpRequested()
+    types = field_types()
     config_path, overrides, i = None, {}, 0
     while i < len(argv):
         arg = argv[i]
@@ -319,7 +292,7 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
             raise ConfigError(f"config file {config_path} must hold a mapping of fields")
         values.update(loaded)
     values.update(overrides)
-    types = _field_types()
+    types = field_types()
     unknown = sorted(set(values) - set(types))
     if unknown:
         raise ConfigError("; ".join(unknown_key_message(k, values) for k in unknown))

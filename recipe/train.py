@@ -22,6 +22,7 @@ from recipe import engine as eng
 from recipe.buffer import RolloutBuffer
 from recipe.checkpoint import CheckpointError, Checkpointer
 from recipe.config import Config, ConfigError, HelpRequested, load_config
+from recipe.config_help import help_text
 from recipe.data import DataError, PromptStream, load_prompt_dataset
 from recipe.generation import Generator, build_generator
 from recipe.generation.vllm import VLLMUnavailable
@@ -208,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         preflight(cfg)  # files, the built-in model, vLLM, reward imports: before any process group starts
-    except HelpRequested as e:
+    except HelpRequested:
         if os.environ.get("RANK", "0") == "0":  # under a launcher, once
-            print(e)
+            print(help_text())
         return 0
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

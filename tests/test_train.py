@@ -69,7 +69,7 @@ def test_bad_reward_stops_every_rank_with_its_name(tmp_path):
 def test_answer_reward_without_answer_column_stops_before_the_model_loads(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, "--reward_funcs",
-                           "[math_accuracy]", "--output_dir", str(out)], cwd=REPO, env=cpu_env(), capture_output=True,
+                           "[math_accuracy]", "--output_dir", str(out)], cwd=REPO, env=rank_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error: reward 'math_accuracy': dataset has no column 'answer' (have ['post', 'prompt'])" in proc.stderr
@@ -100,7 +100,7 @@ def test_train_your_own_example_config_end_to_end(tmp_path):
     out = tmp_path / "gsm"
     proc = subprocess.run(["bash", "launch/local.sh", "--config", "recipe/configs/gsm8k_local.yaml", "--max_steps", "4",
                            "--output_dir", str(out), "--disable_tqdm"], cwd=REPO,
-                          env=cpu_env(VENV_PY=sys.executable, NPROC=2), capture_output=True, text=True, timeout=900)
+                          env=rank_env(VENV_PY=sys.executable, NPROC=2), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]

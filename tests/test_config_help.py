@@ -1,0 +1,26 @@
+"""--help: every field of the config with its type, default and description; `python -m recipe.train --help`
+prints it and exits 0."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from recipe.config import Config, HelpRequested, parse_cli
+from recipe.config_help import help_text
+from recipe.launch import rank_env
+
+
+def test_help_lists_every_field_with_type_default_and_description():
+    with pytest.raises(HelpRequested):
+        parse_cli(["--seed", "1", "-h"])
+    text = help_text()
+    for f in dataclasses.fields(Config):
+        assert f"  --{f.name} (" in text, f.name
+        assert f.metadata["help"] in text
+    assert "  --learning_rate (float, default: 1.0e-06)" in text
+    assert "  --dataset_config (str | null, default: null)" in text
+    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--help"], cwd=REPO, env=rank_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == text and not proc.stderr.strip()
