@@ -90,8 +90,7 @@ class Config:
     vllm_kv_cache_mib: int | None = opt(None, "vLLM KV cache size; null = from the utilization (GPU), one rollout")
     vllm_tis_cap: float | None = opt(None, "truncated importance sampling of vLLM's drift, per token: weight "
                                      "min(exp(old_logp - vllm_logp), cap); null = off")
-    vllm_lora_sync: str = opt("merged", "with use_peft: merged (base + delta via reload_weights) or adapter "
-                                        "(vLLM's own LoRA)")
+    vllm_lora_sync: str = opt("merged", "with use_peft: merged (base + delta, reload_weights) or adapter (vLLM LoRA)")
     # --- rewards -----------------------------------------------------------------------
     reward_funcs: list = opt([{"func": "length", "kwargs": {"target_chars": 60}}],
                              "built-ins (length, accuracy, math_accuracy), module:function, path/file.py:function, "
