@@ -20,12 +20,15 @@ def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+STD_EPS = 1e-4  # TRL's: advantages = centered / (std + 1e-4), so runs compare side by side
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
                      batch_std: float | None = None) -> torch.Tensor:
-    """(r - group mean) / (std + 1e-4), as TRL: std over the group, the whole batch, or not at all.
+    """(r - group mean) / (std + 1e-4), std over the group, the whole batch, or not at all (TRL's formula).
 
-    `batch_std` is the std of the whole batch over all ranks (default: these rewards'); groups whose rewards
-    are all equal get advantage 0.
+    `batch` needs `batch_std`, the std of the whole batch over all ranks: a rank's own std would make the
+    update depend on how many ranks share the batch. Groups whose rewards are all equal get advantage 0.
     """
     grouped = rewards.view(-1, group_size)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
@@ -33,13 +36,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         std = grouped.std(dim=1, keepdim=True)
     elif scale == "batch":
         if batch_std is None:
-            batch_std = rewards.std().item() if rewards.numel() > 1 else 0.0
-        std = torch.full_like(grouped[:, :1], batch_std)
+            raise ValueError("scale_rewards 'batch' needs batch_std, the std of the whole batch over all ranks")
+        std = torch.full_like(grouped[:, :1], float(batch_std))
     elif scale == "none":
         return centered.flatten()
     else:
         raise ValueError(f"scale_rewards: unknown {scale!r}")
-    return (centered / (std + 1e-4)).flatten()
+    return (centered / (std + STD_EPS)).flatten()
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,

@@ -113,7 +113,8 @@ def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_pro
                   error: bool) -> dict:
     """Reward and completion statistics over all ranks, in one all-reduce (which also shares errors)."""
     # each function's mean is over the samples it applies to (NaN: it returned None there)
-    sums = {"reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(), "samples": rewards.numel(),
+    r64 = rewards.double()  # the batch std divides advantages: sums in float64, so 1 or N ranks agree
+    sums = {"reward": r64.sum(), "reward_sq": (r64 ** 2).sum(), "samples": rewards.numel(),
             "length": comp.mask.sum(-1).sum(), "truncated": comp.truncated.float().sum(),
             "prompts_truncated": num_truncated_prompts, "failed_ranks": float(error),
             **{f"reward/{k}": v.nansum() for k, v in per_func.items()},

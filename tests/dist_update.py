@@ -8,12 +8,15 @@ gathered weights and counters.
 """
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 
 from recipe import engine as eng
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
+from recipe.loss import group_advantages
+from recipe.train import rollout_stats
 from recipe.update import train_on_rollout
 
 # adam_epsilon 1e-6: Adam turns float noise in near-zero gradients (e.g. the attention key bias, whose exact
@@ -51,14 +54,34 @@ def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0) -> Rollout
     return RolloutBuffer.build(prompts, comps, adv[sl], mask, pad_id, order_seed=1000 + rank)
 
 
-def run_case(cfg: Config, rank: int, world: int):
+def fixed_rewards(n: int) -> torch.Tensor:
+    """Rewards of a global rollout whose groups differ in level and spread, so that a rank's own std is far
+    from the whole batch's."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, generator=g) * torch.arange(1, n + 1) / n + torch.arange(n) // 4 * 10.0
+
+
+def advantages_from_rewards(cfg: Config, buf: RolloutBuffer, rank: int, world: int) -> torch.Tensor:
+    """This rank's advantages of the fixed global rewards, through the recipe's own path (train.py): reward
+    statistics over all ranks in one all-reduce, then group advantages."""
+    n = len(buf)
+    rewards = fixed_rewards(n * world)[rank * n:(rank + 1) * n]
+    comp = SimpleNamespace(mask=buf.completion_mask, truncated=torch.zeros(n, dtype=torch.bool))
+    stats = rollout_stats(rewards, {}, comp, 0, False)
+    return group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std=stats["reward_std"])
+
+
+def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False):
     """Fresh engine, this rank's shard of the fixed rollout, `train_on_rollout` over it. Returns the engine,
-    the reference, the buffer, the old-log-prob forwards, store counts and each step's statistics."""
+    the reference, the buffer, the old-log-prob forwards, store counts and each step's statistics.
+    `from_rewards`: advantages from fixed rewards as train.py computes them."""
     path = eng.model_path(cfg)
     torch.manual_seed(0)
     engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0 else None
     buf = local_buffer(cfg, rank, world)
+    if from_rewards:
+        buf.advantages = advantages_from_rewards(cfg, buf, rank, world).float()
     stores = torch.zeros(len(buf), dtype=torch.long)
     original_store = buf.store_old_logps
 
@@ -79,13 +102,14 @@ def main():
     rank, world = eng.init_distributed()
     results = {}
     for case in cases:
-        name = case.pop("name")
-        engine, _, buf, forwards, stores, outs = run_case(Config(**{**BASE, **case}), rank, world)
+        name, from_rewards = case.pop("name"), case.pop("from_rewards", False)
+        engine, _, buf, forwards, stores, outs = run_case(Config(**{**BASE, **case}), rank, world, from_rewards)
         state = engine._zero3_consolidated_16bit_state_dict() if eng.is_zero3(engine) else engine.module.state_dict()
         all_stores = [torch.zeros_like(stores) for _ in range(world)]
         torch.distributed.all_gather(all_stores, stores)
         if rank == 0:
             results[name] = {"state": {k: v.clone() for k, v in state.items()}, "old_logp_forwards": forwards,
+                             "advantages": buf.advantages.clone(),
                              "stores": torch.cat(all_stores), "old_logps": buf.old_logps.clone(),
                              "approx_kl": torch.tensor([o["approx_kl"] for o in outs], dtype=torch.float64),
                              "clip_ratio_region": torch.tensor([o["clip_ratio_region"] for o in outs], dtype=torch.float64),

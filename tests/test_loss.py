@@ -114,19 +114,21 @@ def test_reduce_loss_units_and_mask():
         reduce_loss(per_token, mask, "ppo", 1.0, 3)
 
 
-def test_group_advantages():
+def test_group_advantages_use_trls_formula():
     r = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0])
     a = group_advantages(r, 4, "group")
     g0 = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    torch.testing.assert_close(a[:4], (g0 - g0.mean()) / (g0.std() + 1e-4))  # TRL's formula
+    torch.testing.assert_close(a[:4], (g0 - g0.mean()) / (g0.std() + 1e-4))  # TRL: std + 1e-4, not a floor
     assert torch.equal(a[4:], torch.zeros(4))  # zero-std group: zero advantage, never NaN
-    b = group_advantages(r, 4, "batch")
-    torch.testing.assert_close(b[:4], (g0 - g0.mean()) / (r.std() + 1e-4))
-    global_std = group_advantages(r, 4, "batch", batch_std=2.0)  # the std over every rank's rewards
-    torch.testing.assert_close(global_std[:4], (g0 - g0.mean()) / (2.0 + 1e-4))
+    b = group_advantages(r, 4, "batch", batch_std=2.5)  # the caller's std of the whole batch, all ranks
+    torch.testing.assert_close(b[:4], (g0 - g0.mean()) / (2.5 + 1e-4))
+    with pytest.raises(ValueError, match="needs batch_std"):  # a rank's own std would depend on the rank count
+        group_advantages(r, 4, "batch")
     n = group_advantages(r, 4, "none")
     torch.testing.assert_close(n[:4], g0 - g0.mean())
-    assert not torch.isnan(group_advantages(torch.ones(8), 4, "batch")).any()
+    assert not torch.isnan(group_advantages(torch.ones(8), 4, "batch", batch_std=0.0)).any()
+    small = torch.tensor([0.0, 0.001, 0.002, 0.003])  # small spread: the formulas differ most here
+    torch.testing.assert_close(group_advantages(small, 4), (small - small.mean()) / (small.std() + 1e-4))
 
 
 def test_token_logps_and_k3():

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from conftest import torchrun
-from dist_update import BASE, local_buffer
+from dist_update import BASE, fixed_rewards, local_buffer
 from recipe.config import Config
 
 LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo")
+SCALES = ("group", "batch", "none")
 
 
 def run_cases(tmp_path, nproc, cases, tag):
@@ -117,9 +118,15 @@ def test_zero3_two_ranks_mu2_equals_single_process_reference(tmp_path, tiny_mode
 
 @pytest.mark.slow
 def test_same_update_on_1x4_and_2x2_micro_batch_splits(tmp_path):
-    """The rollout of 8 completions: 1 rank x 4 micro-batches vs 2 ranks x 2 micro-batches, per loss type."""
+    """The rollout of 8 completions: 1 rank x 4 micro-batches vs 2 ranks x 2 micro-batches, per loss type, and
+    with advantages computed from rewards as train.py does, per reward scaling (`batch`: the std of the whole
+    batch, over all ranks)."""
     one = [{"name": lt, "loss_type": lt, "num_iterations": 2, "gradient_accumulation_steps": 4} for lt in LOSS_TYPES]
     two = [{"name": lt, "loss_type": lt, "num_iterations": 2, "gradient_accumulation_steps": 2} for lt in LOSS_TYPES]
+    one += [{"name": f"scale_{s}", "scale_rewards": s, "from_rewards": True, "gradient_accumulation_steps": 4}
+            for s in SCALES]
+    two += [{"name": f"scale_{s}", "scale_rewards": s, "from_rewards": True, "gradient_accumulation_steps": 2}
+            for s in SCALES]
     for c in one + two:
         c["per_device_train_batch_size"] = 2
     got1 = run_cases(tmp_path, 1, one, "one")
@@ -130,6 +137,16 @@ def test_same_update_on_1x4_and_2x2_micro_batch_splits(tmp_path):
         # spg = 1: old log-probs are captured from the first pass's forward, never a separate forward.
         assert got1[lt]["old_logp_forwards"] == 0 and got2[lt]["old_logp_forwards"] == 0
         assert got2[lt]["stores"].tolist() == [1] * 8
+    rewards = fixed_rewards(8)
+    for s in SCALES:
+        name = f"scale_{s}"
+        # rank 0 holds the first group on 2 ranks: its advantages must be those of the whole batch
+        torch.testing.assert_close(got2[name]["advantages"], got1[name]["advantages"][:4], atol=1e-6, rtol=1e-6)
+        if s == "batch":
+            g0 = rewards[:4]
+            torch.testing.assert_close(got2[name]["advantages"], (g0 - g0.mean()) / (rewards.std() + 1e-4))
+        diff = max_diff(got1[name]["state"], got2[name]["state"])
+        assert diff < 1e-5, f"scale_rewards {s}: 1 vs 2 ranks differ by {diff}"
 
 
 @pytest.mark.slow
