@@ -24,7 +24,7 @@ def run(name: str, overrides: list[str], steps: int, nproc: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     launch(nproc, ["-m", "recipe.train"],
            ["--config", QUICKSTART, "--max_steps", str(steps), "--output_dir", str(out), "--save_steps", "0",
-            "--disable_tqdm", "true", *overrides], out / "run.log")
+            "--overwrite_output_dir", "true", "--disable_tqdm", "true", *overrides], out / "run.log")
     recs = read_metrics(out)
     total = sum(r["step_time_s"] for r in recs)
     phases = {k: sum(r[f"time_{k}_s"] for r in recs) for k in PHASES}

@@ -34,7 +34,8 @@ def main() -> None:
             out.mkdir(parents=True, exist_ok=True)
             launch(world, ["bench/instrumented.py", str(out / "memory")],
                    ["--config", QUICKSTART, "--num_iterations", str(mu), "--max_steps", str(args.steps),
-                    "--output_dir", str(out), "--save_steps", "0", "--disable_tqdm", "true"], out / "run.log")
+                    "--output_dir", str(out), "--save_steps", "0", "--overwrite_output_dir", "true",
+                    "--disable_tqdm", "true"], out / "run.log")
             ranks = [json.loads((out / f"memory.rank{r}.json").read_text()) for r in range(world)]
             rows.append({"world_size": world, "mu": mu,
                          "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in ranks],

@@ -37,8 +37,8 @@ def main() -> None:
             out = RESULTS / "tmp" / "mu_sweep" / f"mu{mu}_seed{seed}"
             wall = launch(args.nproc, ["-m", "recipe.train"],
                           ["--config", QUICKSTART, "--num_iterations", str(mu), "--max_steps", str(args.steps),
-                           "--seed", str(seed), "--output_dir", str(out), "--save_steps", "0", "--disable_tqdm",
-                           "true", *args.extra], out.with_suffix(".log"))
+                           "--seed", str(seed), "--output_dir", str(out), "--save_steps", "0",
+                           "--overwrite_output_dir", "true", "--disable_tqdm", "true", *args.extra], out.with_suffix(".log"))
             recs = read_metrics(out)
             rows = per_generation(recs)
             gen_share = sum(r["time_generate_s"] for r in recs) / sum(r["step_time_s"] for r in recs)

@@ -88,7 +88,7 @@ def run(regime: str, variant: str, seed: int, root: Path) -> dict:
     out = root / regime / f"{variant}_seed{seed}"
     cmd = [sys.executable, "-m", "recipe.train", "--config", QUICKSTART, *REGIMES[regime]["args"],
            *VARIANTS[variant], "--seed", str(seed), "--max_steps", "100000", "--output_dir", str(out),
-           "--save_steps", "0", "--logging_steps", "1", "--disable_tqdm", "true"]
+           "--save_steps", "0", "--overwrite_output_dir", "true", "--logging_steps", "1", "--disable_tqdm", "true"]
     env = rank_env()
     out.mkdir(parents=True, exist_ok=True)
     budget, stop_at = REGIMES[regime]["budget_s"], REGIMES[regime].get("stop_at")

@@ -207,7 +207,7 @@ def commands(args, python: str, cfg_path: str, prompts: Path, run_dir: Path, mu:
     overrides = [x for kv in args.set for x in ("--" + kv.partition("=")[0], kv.partition("=")[2])]
     ours = torchrun(2, ["-m", "recipe.train", "--config", cfg_path, *overrides, "--dataset_name", str(prompts),
                         "--num_iterations", str(mu), "--max_steps", str(steps), "--save_steps", "0",
-                        "--output_dir", str(run_dir / "ours")], python=python)
+                        "--overwrite_output_dir", "true", "--output_dir", str(run_dir / "ours")], python=python)
     return {"ours": ours, "trl": torchrun(2, [str(REPO / "bench" / "trl_runner.py"), str(spec)], python=python)}
 
 

@@ -3,10 +3,11 @@
 Layout under OUTPUT_DIR/checkpoints/:
     step-00000012/ds/...          the DeepSpeed checkpoint, sharded as ZeRO-3 holds it
     step-00000012/loop_rank{r}.pt  rank r's loop position, counters, RNG states and rollout buffer shard
-    step-00000012/meta.json        written last: step, config, world size, every file's size
+    step-00000012/meta.json        written last: step, config, world size, the writing run's id, every file's size
     latest                         the newest complete step folder's name (updated after the rename)
 A save goes to `.tmp-step-...` and is renamed into place only when every rank has written, so a folder
 named `step-*` with a matching meta.json is complete; anything else is skipped with a warning on resume.
+Resuming (`auto`) and pruning consider only the checkpoints of this run's lineage (recipe/outdir.py).
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from recipe.config import Config
+from recipe.outdir import in_lineage
 
 # Fields that may change between a run and its resumption; every other field must match.
 MUTABLE_FIELDS = {"max_steps", "logging_steps", "report_to_tensorboard", "disable_tqdm", "output_dir",
-                  "resume_from_checkpoint", "save_steps", "save_total_limit"}
+                  "resume_from_checkpoint", "save_steps", "save_total_limit", "overwrite_output_dir"}
 
 
 class CheckpointError(RuntimeError):
@@ -78,6 +80,9 @@ class Checkpointer:
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.root = Path(cfg.output_dir) / "checkpoints"
         self._signal = None
+        # this run's segment and lineage (set from the output folder's claim); None: every checkpoint counts
+        self.run_id: str | None = None
+        self.lineage: list[dict] | None = None
 
     # --- preemption ---------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -112,7 +117,8 @@ class Checkpointer:
             os.fsync(f.fileno())
         dist.barrier()
         if self.rank == 0:
-            meta = {"step": step, "world_size": self.world, "config": self.cfg.to_dict(), "files": _file_sizes(tmp)}
+            meta = {"step": step, "world_size": self.world, "run_id": self.run_id, "config": self.cfg.to_dict(),
+                    "files": _file_sizes(tmp)}
             _fsync_write(tmp / "meta.json", json.dumps(meta, indent=1))
             if final.exists():
                 shutil.rmtree(final)
@@ -126,16 +132,33 @@ class Checkpointer:
     def _prune(self) -> None:
         if self.cfg.save_total_limit <= 0:
             return
-        complete = [p for p in self._candidates() if self._problem(p) is None]
+        # only this lineage's: another branch's higher step numbers must not push this run's own saves out
+        complete = [p for p in self._candidates(self.lineage) if self._problem(p) is None]
         for old in complete[self.cfg.save_total_limit:]:
             shutil.rmtree(old, ignore_errors=True)
 
     # --- finding and checking -------------------------------------------------------------
-    def _candidates(self) -> list[Path]:
-        """step-* folders, newest first."""
+    def _candidates(self, lineage: list[dict] | None = None) -> list[Path]:
+        """step-* folders, newest first; with a lineage, only those its runs wrote (or whose meta is unreadable,
+        so that a damaged save is reported rather than silently passed over)."""
         if not self.root.is_dir():
             return []
-        return sorted((p for p in self.root.glob("step-*") if p.is_dir()), reverse=True)
+        found = sorted((p for p in self.root.glob("step-*") if p.is_dir()), reverse=True)
+        if lineage is None:
+            return found
+        metas = {p: self.meta(p) for p in found}
+        return [p for p, m in metas.items() if m is None or in_lineage(m.get("run_id"), m["step"], lineage)]
+
+    @staticmethod
+    def meta(folder: Path) -> dict | None:
+        try:
+            return json.loads((folder / "meta.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def run_id_of(self, folder: Path) -> str | None:
+        """The id of the run (segment) that wrote a checkpoint; None for checkpoints older than run ids."""
+        return (self.meta(folder) or {}).get("run_id")
 
     def _problem(self, folder: Path) -> str | None:
         """Why this folder is not a complete checkpoint for this world size, or None."""
@@ -153,8 +176,9 @@ class Checkpointer:
                 return f"file {rel} has {sizes[rel]} bytes, expected {size} (truncated or corrupt)"
         return None
 
-    def find(self) -> Path | None:
-        """The checkpoint to resume from per `resume_from_checkpoint` (auto | PATH | null)."""
+    def find(self, lineage: list[dict] | None = None) -> Path | None:
+        """The checkpoint to resume from per `resume_from_checkpoint` (auto | PATH | null); `auto` takes the
+        newest complete one of `lineage` (None: of any run)."""
         spec = self.cfg.resume_from_checkpoint
         if not spec:
             return None
@@ -164,7 +188,7 @@ class Checkpointer:
             if problem:
                 raise CheckpointError(f"resume_from_checkpoint: {spec}: {problem}")
             return folder
-        for folder in self._candidates():
+        for folder in self._candidates(lineage):
             problem = self._problem(folder)
             if problem is None:
                 return folder

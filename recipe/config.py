@@ -126,7 +126,9 @@ class Config:
     logging_steps: int = opt(1, "write metrics every N optimizer steps")
     save_steps: int = opt(100, "checkpoint every N optimizer steps (and at the end); 0 = never")
     save_total_limit: int = opt(2, "keep the newest N complete checkpoints; 0 = keep all")
-    resume_from_checkpoint: str | None = opt(None, "auto = the newest checkpoint in output_dir, or a step-N folder")
+    resume_from_checkpoint: str | None = opt(None, "auto = the newest complete checkpoint of this run in output_dir, or a step-N folder")
+    overwrite_output_dir: bool = opt(False, "remove a previous run's outputs from output_dir (nothing else) "
+                                      "and start afresh; excludes resume_from_checkpoint")
     report_to_tensorboard: bool = opt(False, "also write OUTPUT_DIR/tensorboard")
     disable_tqdm: bool = opt(False, "no progress bar")
 
@@ -357,6 +359,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          f"chat_template: must be auto, true or false, got {cfg.chat_template!r}")
     need(world_size >= 1, f"WORLD_SIZE: must be >= 1, got {world_size}")
     need(bool(cfg.output_dir), "output_dir: must not be empty")
+    need(not (cfg.overwrite_output_dir and cfg.resume_from_checkpoint),
+         "overwrite_output_dir: cannot be combined with resume_from_checkpoint (one removes what the other "
+         "continues); pass one of them")
     need(bool(cfg.reward_funcs), "reward_funcs: at least one reward function is needed")
     if cfg.use_peft:
         need(cfg.lora_r >= 1, f"lora_r: must be >= 1, got {cfg.lora_r}")

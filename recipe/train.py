@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from recipe import engine as eng
+from recipe import outdir
 from recipe.buffer import RolloutBuffer
 from recipe.checkpoint import CheckpointError, Checkpointer
 from recipe.config import Config, ConfigError, HelpRequested, load_config
@@ -51,6 +52,7 @@ class Run:
     rewards: list[RewardFunc]
     generator: Generator
     checkpointer: Checkpointer
+    lock: Any = None  # rank 0's hold on the output folder (recipe/outdir.py), kept for the run's lifetime
 
 
 @dataclass
@@ -85,7 +87,9 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
     checkpointer = Checkpointer(cfg, rank, world)
-    resume_from = checkpointer.find()
+    # the folder is this run's for its lifetime: refuse another run's outputs, lock out concurrent runs
+    claim, lock = outdir.claim(cfg, rank, world, checkpointer.find, checkpointer.run_id_of)
+    checkpointer.run_id, checkpointer.lineage, resume_from = claim.run_id, claim.lineage, claim.resume_from
     if resume_from is not None:
         checkpointer.check_config(resume_from)  # before any model is loaded
     path = eng.model_path(cfg)
@@ -105,7 +109,7 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
             print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
     checkpointer.install_signal_handlers()
     run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator,
-              checkpointer)
+              checkpointer, lock)
     return run, state
 
 
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run, state = setup(cfg)
-    except (DataError, CheckpointError, VLLMUnavailable, RewardError) as e:
+    except (DataError, CheckpointError, VLLMUnavailable, RewardError, outdir.OutputDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -1,0 +1,145 @@
+"""The output folder: another run's outputs are refused unless resumed or overwritten, one run at a time holds
+it, and resuming and pruning follow this run's lineage (real runs of recipe.train, real files and locks)."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from recipe.launch import rank_env
+from recipe.metrics import read_jsonl
+from recipe.config import Config
+from recipe.outdir import OutputDirError, OutputLock, in_lineage
+
+# One plain process (a world of one), 4 completions per step, 8-token completions: a few seconds a step.
+RUN = [sys.executable, "-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "6",
+       "--num_iterations", "2", "--save_steps", "2", "--per_device_train_batch_size", "4",
+       "--gradient_accumulation_steps", "1", "--num_generations", "4", "--max_completion_length", "8",
+       "--disable_tqdm", "true"]
+
+
+def run(out, *extra, check=True):
+    proc = subprocess.run([*RUN, "--output_dir", str(out), *extra], cwd=REPO, env=rank_env(), capture_output=True,
+                          text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def snapshot(out):
+    """Every file under out with its bytes (the lock file aside: it names its latest holder)."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != "run.lock"}
+
+
+def steps(out):
+    return [r["step"] for r in read_jsonl(out / "metrics.jsonl")]
+
+
+def saved(out):
+    return sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+
+
+def test_rerun_without_resume_is_refused_and_overwrite_replaces_only_the_runs_outputs(tmp_path):
+    out = tmp_path / "out"
+    run(out)
+    (out / "notes.txt").write_text("mine")  # the user's, not the recipe's
+    before = snapshot(out)
+    proc = run(out, "--max_steps", "2", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = [ln for ln in proc.stderr.splitlines() if "already holds a run's outputs" in ln]
+    assert line and str(out) in line[0] and "--resume_from_checkpoint auto" in line[0] \
+        and "--overwrite_output_dir true" in line[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert snapshot(out) == before  # nothing written, truncated or deleted
+    # overwrite: the old run's outputs go, the user's file stays, and the new run is whole
+    run(out, "--max_steps", "4", "--overwrite_output_dir", "true")
+    assert steps(out) == [1, 2, 3, 4] and saved(out) == ["step-00000002", "step-00000004"]
+    assert (out / "checkpoints" / "latest").read_text() == "step-00000004"
+    assert (out / "notes.txt").read_text() == "mine" and (out / "final" / "config.json").exists()
+
+
+def test_resume_from_an_earlier_checkpoint_then_auto_follows_the_new_branch(tmp_path):
+    """Resuming from step 2 of a run that reached step 6 starts a branch: its saves must survive pruning, and
+    `latest` and a later `auto` must follow it, not the abandoned branch's higher step numbers."""
+    out = tmp_path / "out"
+    run(out, "--save_total_limit", "0")  # checkpoints 2, 4, 6
+    assert saved(out) == ["step-00000002", "step-00000004", "step-00000006"]
+    abandoned = json.loads((out / "checkpoints" / "step-00000006" / "meta.json").read_text())["run_id"]
+    run(out, "--resume_from_checkpoint", str(out / "checkpoints" / "step-00000002"), "--max_steps", "4",
+        "--save_total_limit", "1")
+    branch = json.loads((out / "checkpoints" / "step-00000004" / "meta.json").read_text())["run_id"]
+    assert branch != abandoned
+    # the branch's own step 4 survived (limit 1); the abandoned step 6 is not this lineage's, so untouched
+    assert saved(out) == ["step-00000004", "step-00000006"]
+    assert (out / "checkpoints" / "latest").read_text() == "step-00000004"
+    assert steps(out) == [1, 2, 3, 4]
+    proc = run(out, "--resume_from_checkpoint", "auto", "--max_steps", "5", "--save_total_limit", "1")
+    assert "resumed from" in proc.stderr and "step-00000004 at step 4" in proc.stderr, proc.stderr[-3000:]
+    assert steps(out) == [1, 2, 3, 4, 5]
+
+
+def test_auto_resume_with_outputs_but_no_checkpoint_is_refused(tmp_path):
+    out = tmp_path / "out"
+    run(out, "--max_steps", "2", "--save_steps", "0")
+    before = snapshot(out)
+    proc = run(out, "--resume_from_checkpoint", "auto", check=False)
+    assert proc.returncode == 2 and "no complete checkpoint of it to resume from" in proc.stderr, proc.stderr[-2000:]
+    assert snapshot(out) == before
+
+
+def test_a_second_run_on_a_busy_folder_stops_with_the_holder_and_the_first_is_unharmed(tmp_path):
+    out = tmp_path / "out"
+    # long enough to outlive the second runs' start-up; stopped with SIGUSR1 (checkpoint, exit 75) afterwards
+    first = subprocess.Popen([*RUN, "--output_dir", str(out), "--max_steps", "100000", "--save_steps", "0"],
+                             cwd=REPO, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        end = time.monotonic() + 300
+        while not (metrics.exists() and read_jsonl(metrics)):
+            assert first.poll() is None and time.monotonic() < end, first.communicate()[1][-3000:]
+            time.sleep(0.2)
+        for extra in ([], ["--resume_from_checkpoint", "auto"], ["--overwrite_output_dir", "true"]):
+            second = run(out, *extra, check=False)
+            assert second.returncode == 2, second.stderr[-3000:]
+            assert f"output_dir {out} is in use by another run (pid {first.pid} on " in second.stderr, second.stderr
+        assert first.poll() is None
+        first.send_signal(signal.SIGUSR1)
+        _, err = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 75, err[-3000:]
+    k = steps(out)[-1]
+    assert steps(out) == list(range(1, k + 1)) and saved(out) == [f"step-{k:08d}"]  # one run's, whole
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{k:08d}"
+
+
+def test_the_lock_is_released_when_its_holder_dies(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from recipe.outdir import OutputLock; "
+                               f"from pathlib import Path; lock = OutputLock(Path({str(tmp_path)!r})); "
+                               "print('held', flush=True); time.sleep(600)"],
+                              cwd=REPO, env=rank_env(), stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(OutputDirError, match=f"in use by another run \\(pid {holder.pid} on "):
+        OutputLock(tmp_path)
+    holder.kill()
+    holder.wait()
+    OutputLock(tmp_path).release()  # the kernel dropped the dead holder's lock
+
+
+def test_lineage_membership():
+    lineage = [{"run_id": "a", "from_step": 0}, {"run_id": "b", "from_step": 4}, {"run_id": "c", "from_step": 6}]
+    assert in_lineage("a", 4, lineage) and not in_lineage("a", 6, lineage)  # a's step 6 was abandoned at 4
+    assert in_lineage("b", 6, lineage) and not in_lineage("b", 8, lineage)
+    assert in_lineage("c", 100, lineage) and not in_lineage("z", 1, lineage)
+
+
+def test_overwrite_and_resume_together_are_a_config_error():
+    proc = subprocess.run([*RUN, "--overwrite_output_dir", "true", "--resume_from_checkpoint", "auto"], cwd=REPO,
+                          env=rank_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "overwrite_output_dir: cannot be combined with resume_from_checkpoint" in proc.stderr
+    assert Config().overwrite_output_dir is False
