@@ -28,7 +28,8 @@ from recipe.outdir import in_lineage
 
 # Fields that may change between a run and its resumption; every other field must match.
 MUTABLE_FIELDS = {"max_steps", "logging_steps", "report_to_tensorboard", "disable_tqdm", "output_dir",
-                  "resume_from_checkpoint", "save_steps", "save_total_limit", "overwrite_output_dir"}
+                  "resume_from_checkpoint", "save_steps", "save_total_limit", "overwrite_output_dir",
+                  "collective_timeout_s"}
 
 
 class CheckpointError(RuntimeError):

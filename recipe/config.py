@@ -131,6 +131,8 @@ class Config:
                                       "and start afresh; excludes resume_from_checkpoint")
     report_to_tensorboard: bool = opt(False, "also write OUTPUT_DIR/tensorboard")
     disable_tqdm: bool = opt(False, "no progress bar")
+    # must exceed the longest legitimate wait between ranks (rank 0 writing the final model, a slow save)
+    collective_timeout_s: float = opt(600.0, "a collective waiting longer ends the run, naming the rank that stopped")
 
     # --- derived -----------------------------------------------------------------------
     @property
@@ -348,6 +350,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check_sampling_is_scored(cfg)
     need(cfg.learning_rate > 0.0, f"learning_rate: must be > 0, got {cfg.learning_rate}")
     need(cfg.save_steps >= 0, f"save_steps: must be >= 0, got {cfg.save_steps}")
+    need(cfg.collective_timeout_s > 0, f"collective_timeout_s: must be > 0, got {cfg.collective_timeout_s}")
     need(cfg.save_total_limit >= 0, f"save_total_limit: must be >= 0, got {cfg.save_total_limit}")
     need(cfg.max_grad_norm >= 0.0, f"max_grad_norm: must be >= 0, got {cfg.max_grad_norm}")
     need(cfg.generation_backend in ("hf", "vllm"),

@@ -16,26 +16,42 @@ from recipe.launch import free_port
 # ------------------------------------------------------------------------------------------
 # process group
 # ------------------------------------------------------------------------------------------
-def init_distributed() -> tuple[int, int]:
-    """Join the launcher's process group (deepspeed, torchrun, srun helpers) or make a 1-rank one."""
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the launcher's process group (local.sh, the Slurm script, torchrun, deepspeed) or make a 1-rank one.
+
+    Collectives give up after `timeout_s` (a stopped rank then ends the run, recipe/liveness.py); the store and
+    the backend listen on the launcher's address only (recipe/rendezvous.py).
+    """
+    import datetime
     import warnings
 
     import deepspeed
 
+    from recipe import liveness, rendezvous
+
     # torch deprecates the collective names DeepSpeed calls on every step; one warning per call floods logs.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
-    if "RANK" not in os.environ:  # plain `python -m recipe.train`: a world of one
+    if "RANK" not in os.environ:  # plain `python -m recipe.train`: a world of one, with an in-memory store
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(rendezvous.backend_env(os.environ.get("MASTER_ADDR", "127.0.0.1")))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from recipe.buildlock import load_comm_op
 
         load_comm_op()  # built once per environment under a lock that cannot go stale
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               auto_mpi_discovery=False)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    store = rendezvous.store_for_rank(rank, world, timeout_s)
+    if store is None:
+        torch.distributed.init_process_group(backend, timeout=timeout)
+    else:
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)  # wraps the group
+    liveness.start(rank, world, timeout_s)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 

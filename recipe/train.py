@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from recipe import engine as eng
-from recipe import outdir
+from recipe import liveness, outdir
 from recipe.buffer import RolloutBuffer
 from recipe.checkpoint import CheckpointError, Checkpointer
 from recipe.config import Config, ConfigError, HelpRequested, load_config
@@ -82,7 +82,7 @@ class LoopState:
 
 def setup(cfg: Config) -> tuple[Run, LoopState]:
     """Build every component from the config, cheapest and most likely to fail first; the loop's starting state."""
-    rank, world = eng.init_distributed()
+    rank, world = eng.init_distributed(cfg.collective_timeout_s)
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    code = liveness.guarded(main)  # a failed or timed-out collective: one line naming the silent rank, exit 1
     # Everything is written and the process group is gone; skip interpreter teardown, where destructors of
     # DeepSpeed/gloo background threads occasionally abort ("terminate called without an active exception")
     # and would turn a finished run into a failed one.

@@ -5,12 +5,12 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from conftest import REPO, torchrun
+from procs import descendants, wait_for_step
 from recipe.checkpoint import CheckpointError, Checkpointer, rng_state, safe_load, set_rng_state
 from recipe.config import Config
 from recipe.launch import PREEMPTED_EXIT_CODE, rank_env
@@ -50,30 +50,11 @@ def start(out, *extra, run=RUN):
 
 def signal_tree(pid, sig):
     """Signal a launcher and all its descendants at once (torchrun starts each rank in its own session)."""
-    def children(p):
-        try:
-            kids = [int(c) for t in os.listdir(f"/proc/{p}/task")
-                    for c in open(f"/proc/{p}/task/{t}/children").read().split()]
-        except FileNotFoundError:
-            return []
-        return kids + [g for k in kids for g in children(k)]
-
-    for p in [pid, *children(pid)]:
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, sig)
         except ProcessLookupError:
             pass
-
-
-def wait_for_step(proc, out, step, timeout=300):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        path = out / "metrics.jsonl"
-        if path.exists() and any(r["step"] >= step for r in read_jsonl(path)):
-            return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,26 @@
-"""launch/local.sh: one node, CPU ranks when there is no GPU, extra arguments passed through to the recipe."""
+"""launch/local.sh: one node, CPU ranks when there is no GPU, extra arguments passed through to the recipe; the
+ranks' exit codes come back unchanged, signals to the launcher reach the ranks, no rank outlives it, a stopped
+rank ends the job within the collective timeout, and the run listens on loopback only."""
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import REPO
 from recipe.launch import rank_env
 from recipe.metrics import read_jsonl
+from procs import alive, descendants, is_loopback, listening, rank_pids, wait_for_step
+
+SHORT = ["--config", "recipe/configs/quickstart.yaml", "--per_device_train_batch_size", "4",
+         "--gradient_accumulation_steps", "1", "--num_generations", "4", "--max_completion_length", "8",
+         "--disable_tqdm", "true"]
+
+
+def local_sh(*args, **kw):
+    return subprocess.Popen(["bash", "launch/local.sh", *SHORT, *args], cwd=REPO, env=rank_env(VENV_PY=sys.executable),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 @pytest.mark.slow
@@ -26,3 +40,68 @@ def test_local_sh_two_cpu_ranks_short_run_with_offload_config(tmp_path):
     # Two ranks: the first step trains both ranks' rollouts (4 completions each).
     assert records[0]["train_tokens"] == pytest.approx(records[0]["completion_length_mean"] * 4 * 2, rel=1e-6)
     assert (out / "final" / "config.json").exists()
+
+
+def test_config_error_exits_2_with_one_line(tmp_path):
+    proc = local_sh("--num_generations", "3", "--output_dir", str(tmp_path / "out"))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    assert "config error: num_generations:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_signal_to_the_launcher_checkpoints_exits_75_and_leaves_no_rank(tmp_path, sig):
+    """The launcher forwards the signal, the ranks checkpoint and exit 75, which comes back unchanged; while it
+    runs, every socket the run listens on is on loopback, and a second run on its folder exits 2."""
+    out = tmp_path / "out"
+    proc = local_sh("--max_steps", "100000", "--save_steps", "0", "--output_dir", str(out))
+    try:
+        wait_for_step(proc, out, 2)
+        ranks = rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        sockets = listening([proc.pid, *descendants(proc.pid)])
+        assert sockets and all(is_loopback(a) for _, a in sockets), f"listening beyond loopback: {sockets}"
+        if sig == signal.SIGUSR1:  # a second run on the same folder: one line, exit 2, through the launcher
+            second = local_sh("--max_steps", "2", "--output_dir", str(out))
+            _, err2 = second.communicate(timeout=300)
+            assert second.returncode == 2 and f"output_dir {out} is in use by another run" in err2, err2[-3000:]
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err[-3000:]
+    assert f"got {sig.name}: forwarding it to the ranks" in err and "checkpoint saved, exit 75" in err
+    assert not [r for r, pid in ranks.items() if alive(pid)], "a rank outlived the launcher"
+    k = [r["step"] for r in read_jsonl(out / "metrics.jsonl")][-1]
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{k:08d}"
+    if sig == signal.SIGTERM:  # and the requeued run continues from there
+        again = local_sh("--max_steps", str(k + 1), "--resume_from_checkpoint", "auto", "--output_dir", str(out))
+        _, err = again.communicate(timeout=600)
+        assert again.returncode == 0 and f"at step {k}" in err, err[-3000:]
+        assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, k + 2))
+
+
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_a_stopped_rank_ends_the_job_within_the_collective_timeout(tmp_path, stopped):
+    """SIGSTOP one rank: the other's next collective times out, it names the stopped rank, the launcher stops
+    the stopped one and the job exits non-zero. Rank 0 too: the store it would ask lives in the launcher."""
+    out, timeout_s = tmp_path / "out", 20
+    proc = local_sh("--max_steps", "100000", "--save_steps", "0", "--collective_timeout_s", str(timeout_s),
+                    "--output_dir", str(out))
+    try:
+        wait_for_step(proc, out, 2)
+        ranks = rank_pids(proc.pid)
+        t0 = time.monotonic()
+        subprocess.run(["kill", "-STOP", str(ranks[stopped])], check=True)
+        _, err = proc.communicate(timeout=20 * timeout_s)  # a hang guard, not a measurement
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"rank {stopped} stopped: the job ended {elapsed:.1f} s later (collective_timeout_s = {timeout_s})")
+    assert proc.returncode == 1, err[-3000:]
+    assert f"error (rank {1 - stopped}): a collective failed or did not complete within collective_timeout_s = " \
+           f"{timeout_s} s: rank {stopped} stopped answering" in err, err[-3000:]
+    assert f"local.sh: rank {1 - stopped} exited with 1; stopping ranks [{stopped}]" in err
+    assert not [r for r, pid in ranks.items() if alive(pid)], "a rank outlived the launcher"

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,8 +48,8 @@ def test_two_nodes_one_rank_each_train_to_completion(cluster, tmp_path, tiny_mod
     log = job_log(tmp_path)
     assert proc.returncode == 0, proc.stderr + log[-4000:]
     # One task per node, each starting its rank, both meeting at the first node's address.
-    assert "0: node 0/2: ranks 0..0 of 2 (CPU), rendezvous node0:" in log
-    assert "1: node 1/2: ranks 1..1 of 2 (CPU), rendezvous node0:" in log
+    assert "0: node.py: node 0/2: ranks 0..0 of 2 (CPU), rendezvous node0:" in log
+    assert "1: node.py: node 1/2: ranks 1..1 of 2 (CPU), rendezvous node0:" in log
     assert "training exited with 0" in log
     records = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 25))
@@ -68,6 +69,44 @@ def test_failed_training_fails_the_job(cluster, tmp_path):
     assert proc.returncode == 1, proc.stderr + log[-4000:]
     assert "reward 'has_nan' returned nan at sample 1" in log
     assert "training exited with 1" in log and "requeued" not in log
+
+
+def test_config_error_is_exit_code_2_of_the_job(cluster, tmp_path):
+    proc = sbatch(cluster, tmp_path, *SHORT, "--num_generations", "3")
+    log = job_log(tmp_path)
+    assert proc.returncode == 2, proc.stderr + log[-4000:]
+    assert "config error: num_generations:" in log and "training exited with 2" in log and "Traceback" not in log
+
+
+def recipe_processes(out) -> list[int]:
+    """Processes still running recipe.train for this output folder."""
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"recipe.train" in cmd and str(out).encode() in cmd:
+            found.append(int(p.name))
+    return found
+
+
+def test_signal_without_requeue_is_exit_code_75_and_leaves_no_rank(cluster, tmp_path, tiny_model_dir):
+    """REQUEUE=0: a wrapper that requeues by itself gets 75 (checkpointed) from the job, and no rank survives."""
+    out, name = tmp_path / "out", "norequeue"
+    proc = sbatch(cluster, tmp_path, *SHORT, "--max_steps", "100000", "--save_steps", "0", background=True,
+                  name=name, REQUEUE=0)
+    metrics = out / "metrics.jsonl"
+    wait_for("2 steps", lambda: metrics.exists() and len(read_jsonl(metrics)) >= 2, proc=proc)
+    job = cluster.run("squeue", "-h", "-n", name, "-o", "%i").stdout.split()[0]
+    assert cluster.run("scancel", "--signal=TERM", job).returncode == 0
+    _, stderr = proc.communicate(timeout=600)
+    log = job_log(tmp_path, name)
+    assert proc.returncode == 75, stderr + log[-4000:]
+    assert "training exited with 75" in log and "requeued" not in log
+    k = read_jsonl(metrics)[-1]["step"]
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{k:08d}"
+    assert recipe_processes(out) == []
 
 
 def test_submitting_outside_the_repository_is_a_clear_error(cluster, tmp_path):

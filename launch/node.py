@@ -1,0 +1,133 @@
+"""Start one node's ranks of recipe.train and own them until they end: the launcher behind launch/local.sh
+(one node) and launch/slurm/node.py (one per node of a Slurm job).
+
+    NPROC_PER_NODE=2 python launch/node.py --config FILE.yaml [--key value ...]
+
+Env: NPROC_PER_NODE (ranks here; default: the GPUs here, else 2), NNODES (1), NODE_RANK (0), MASTER_ADDR
+(127.0.0.1), MASTER_PORT (node 0: a free port when unset).
+
+What it guarantees, and why torchrun is not used (it turns every failure into exit code 1 with a traceback,
+dies on SIGUSR1 leaving the ranks training, and its store listens on every interface):
+- Exit code: a rank's own failure code (2 = config or input error, 1 = failure), else 75 when the ranks
+  checkpointed on a signal (requeue me), else 0. A rank killed by signal N counts as 128 + N.
+- Signals: SIGTERM and SIGUSR1 are forwarded to the ranks (they checkpoint and exit 75); SIGINT (Ctrl-C)
+  is forwarded as SIGTERM, a second one kills the ranks.
+- No orphans: when a rank fails the others are killed (they would wait for it in a collective); the ranks die
+  with this process even if it is killed (PR_SET_PDEATHSIG); it returns only after every rank has ended.
+- Node 0 hosts the rendezvous store, on MASTER_ADDR:MASTER_PORT only (loopback for one node).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from recipe.launch import PREEMPTED_EXIT_CODE as REQUEUE  # noqa: E402  (75: checkpointed on a signal, rerun me)
+PR_SET_PDEATHSIG = 1
+
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def exit_code(codes: list[int]) -> int:
+    """The node's code: the first failure, else 75 if any rank checkpointed on a signal, else 0."""
+    failures = [c for c in codes if c not in (0, REQUEUE)]
+    return failures[0] if failures else REQUEUE if REQUEUE in codes else 0
+
+
+def log(msg: str) -> None:
+    print(f"{os.environ.get('LAUNCHER_NAME', 'node.py')}: {msg}", file=sys.stderr, flush=True)
+
+
+def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, own_session: bool) -> int:
+    """Start ranks node * nproc ... of recipe.train with `args`, supervise them, return the node's exit code.
+
+    own_session: put the ranks in their own session so that a terminal's Ctrl-C reaches only this process
+    (which forwards it as SIGTERM); under Slurm they stay in the step's process group, which Slurm signals.
+    """
+    from recipe.rendezvous import host_store, listening_socket
+
+    sock = None
+    if node == 0:  # the store outlives any rank, so a stopped rank 0 can still be named (recipe/liveness.py)
+        sock = listening_socket(env["MASTER_ADDR"], int(env.get("MASTER_PORT") or 0))
+        env["MASTER_PORT"] = str(sock.getsockname()[1])
+    env.update(WORLD_SIZE=str(nnodes * nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
+               TORCHELASTIC_USE_AGENT_STORE="True")  # the ranks join this store instead of hosting one
+    # USR1 ignored until a rank installs its handler (inherited across exec): an early warning must not kill it
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    procs = {}
+    for i in range(nproc):
+        p = subprocess.Popen([sys.executable, "-m", "recipe.train", *args], cwd=REPO,
+                             env={**env, "RANK": str(node * nproc + i), "LOCAL_RANK": str(i)},
+                             start_new_session=own_session, preexec_fn=_die_with_parent)
+        procs[p.pid] = (node * nproc + i, p)
+    # served only now: the store's thread must not exist while forking (ranks wait in the socket's backlog)
+    store = host_store(sock, nnodes * nproc, 600.0) if sock is not None else None
+    interrupts = 0
+
+    def forward(signum, frame):
+        nonlocal interrupts
+        sig = signum
+        if signum == signal.SIGINT:
+            interrupts += 1
+            sig = signal.SIGTERM if interrupts == 1 else signal.SIGKILL
+        log(f"got {signal.Signals(signum).name}: {'killing' if sig == signal.SIGKILL else 'forwarding it to'} "
+            f"the ranks{'' if sig == signal.SIGKILL else ' (they checkpoint and exit 75)'}")
+        for _, p in procs.values():
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, forward)
+    codes = []
+    while procs:
+        pid, status = os.wait()
+        if pid not in procs:
+            continue
+        rank, _ = procs.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as a shell reports it
+        codes.append(code)
+        if code not in (0, REQUEUE) and procs:
+            # its peers would wait for it in a collective: stop them. (Ranks exit 75 only after their
+            # checkpoint is complete everywhere, so after a 75 the others are left to finish.)
+            log(f"rank {rank} exited with {code}; stopping ranks {sorted(r for r, _ in procs.values())}")
+            for _, p in procs.values():
+                p.kill()
+    del store
+    return exit_code(codes)
+
+
+def gpus_here() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def main() -> int:
+    gpus = gpus_here()
+    nproc = int(os.environ.get("NPROC_PER_NODE") or gpus or 2)
+    env = dict(os.environ, MASTER_ADDR=os.environ.get("MASTER_ADDR") or "127.0.0.1")
+    if gpus == 0:
+        env["DS_ACCELERATOR"] = "cpu"
+    env.setdefault("OMP_NUM_THREADS", "1")  # two threads per CPU rank ran ~10x slower here
+    node, nnodes = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("NNODES", 1))
+    log(f"{nproc} ranks on {'GPU' if gpus else 'CPU'}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
+    return run_ranks(sys.argv[1:], nproc, node, nnodes, env, own_session=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

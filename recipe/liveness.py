@@ -1,0 +1,92 @@
+"""A collective that fails or times out (`collective_timeout_s`) ends the run with one line naming the rank
+that stopped answering, instead of a traceback that says only "Timed out waiting ... for recv".
+
+Each rank bumps a counter in the rendezvous store from a daemon thread every HEARTBEAT_S seconds; a
+stopped, dead or cut-off rank's counter stands still. The rank that sees a collective fail compares the
+counters over a few beats and names the silent ranks. The store is the launcher's (local.sh, the Slurm
+script, torchrun), so it still answers when rank 0 is the one that stopped.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+
+HEARTBEAT_S = 2.0
+WATCH_BEATS = 3  # a counter that did not move over this many beats belongs to a rank that stopped answering
+FAILED_EXIT_CODE = 1
+_KEY = "grpo/alive/{}"
+_run: dict = {}  # rank, world size and timeout of this process's run, once its process group is up
+
+
+def _store(timeout_s: float):
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def _beat(rank: int) -> None:
+    store = None
+    while True:
+        try:
+            store = store or _store(30.0)
+            store.add(_KEY.format(rank), 1)
+        except Exception:  # noqa: BLE001 -- the store may be gone at the end of a run: try again later
+            store = None
+        time.sleep(HEARTBEAT_S)
+
+
+def start(rank: int, world: int, timeout_s: float) -> None:
+    """Remember the run for `report` and start this rank's heartbeat (multi-rank runs with a TCP store)."""
+    _run.update(rank=rank, world=world, timeout_s=timeout_s)
+    if world > 1 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        threading.Thread(target=_beat, args=(rank,), name="grpo-heartbeat", daemon=True).start()
+
+
+def silent_ranks(rank: int, world: int) -> list[int] | None:
+    """The other ranks whose heartbeat stood still for WATCH_BEATS beats; None when the store cannot be asked."""
+    try:
+        store = _store(5.0)
+        before = [store.add(_KEY.format(r), 0) for r in range(world)]
+        time.sleep(WATCH_BEATS * HEARTBEAT_S)
+        after = [store.add(_KEY.format(r), 0) for r in range(world)]
+    except Exception:  # noqa: BLE001 -- unreachable store: said so in the message
+        return None
+    return [r for r in range(world) if r != rank and after[r] == before[r]]
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, getattr(dist, "DistError", ())) or isinstance(e, RuntimeError) and any(
+        s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+                            "gloo", "NCCL"))
+
+
+def describe(e: BaseException) -> str:
+    rank, world, timeout_s = _run["rank"], _run["world"], _run["timeout_s"]
+    silent = silent_ranks(rank, world)
+    if silent is None:
+        who = "the rendezvous store does not answer either (the process hosting it may be the one that stopped)"
+    elif silent:
+        who = f"rank {', '.join(map(str, silent))} stopped answering (no heartbeat for {WATCH_BEATS * HEARTBEAT_S:g} s)"
+    else:
+        who = "every rank still answers, so one is stuck or slow (raise collective_timeout_s if that is legitimate)"
+    first_line = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+    return (f"error (rank {rank}): a collective failed or did not complete within collective_timeout_s = "
+            f"{timeout_s:g} s: {who}; ending the run (resume from the last checkpoint) [{first_line}]")
+
+
+def guarded(main) -> int:
+    """Run `main`; a failed collective becomes one line naming the silent ranks and a non-zero exit code."""
+    try:
+        return main()
+    except Exception as e:
+        if not _run or _run["world"] == 1 or not is_collective_failure(e):
+            raise
+        print(describe(e), file=sys.stderr, flush=True)
+        return FAILED_EXIT_CODE
