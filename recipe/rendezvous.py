@@ -59,7 +59,10 @@ def backend_env(master_addr: str) -> dict[str, str]:
     """Socket-interface settings for the collective backends, unless the user set them: gloo (CPU) always
     listens on the interface of the launcher's address; NCCL is pinned to loopback for single-node runs
     only (on a multi-node GPU cluster its own interface choice is kept: set NCCL_SOCKET_IFNAME to change it)."""
-    ip = resolve(master_addr)
+    try:
+        ip = resolve(master_addr)
+    except OSError:  # an unresolvable address: the rendezvous itself will say so
+        return {}
     iface = interface_for(ip)
     if iface is None:
         return {}

@@ -62,6 +62,12 @@ def main() -> int:
     args = recipe_args(sys.argv[1:], int(os.environ.get("SLURM_RESTART_COUNT") or 0))
     log(f"node {node}/{nnodes}: ranks {node * nproc}..{node * nproc + nproc - 1} of {nnodes * nproc} "
         f"({f'{gpus} GPUs' if gpus else 'CPU'}), rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+    from recipe.rendezvous import is_loopback, resolve
+
+    if nnodes > 1 and node == 0 and is_loopback(resolve(env["MASTER_ADDR"])):
+        # e.g. Debian's `127.0.1.1 hostname` line: the store would listen where other hosts cannot reach it
+        log(f"warning: MASTER_ADDR {env['MASTER_ADDR']} resolves to a loopback address here, so only nodes on "
+            f"this host can reach the rendezvous; export MASTER_ADDR as this node's network address")
     return run_ranks(args, nproc, node, nnodes, env, own_session=False)
 
 
