@@ -82,6 +82,23 @@ def test_signal_to_the_launcher_checkpoints_exits_75_and_leaves_no_rank(tmp_path
         assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, k + 2))
 
 
+def test_a_single_process_run_listens_on_loopback_only(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "recipe.train", *SHORT, "--max_steps", "100000", "--save_steps", "0",
+                             "--output_dir", str(out)], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(proc, out, 1)
+        sockets = listening([proc.pid])
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err[-3000:]
+    assert all(is_loopback(a) for _, a in sockets), f"listening beyond loopback: {sockets}"
+
+
 @pytest.mark.parametrize("stopped", [1, 0])
 def test_a_stopped_rank_ends_the_job_within_the_collective_timeout(tmp_path, stopped):
     """SIGSTOP one rank: the other's next collective times out, it names the stopped rank, the launcher stops
