@@ -6,7 +6,9 @@ import json
 import os
 import socket
 import struct
+import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -94,3 +96,16 @@ def wait_for_step(proc, out: Path, step: int, timeout: float = 300) -> None:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.1)
     raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+@contextmanager
+def running(cmd: list[str], out: Path, step: int = 1, **popen):
+    """A job started and waited for until its metrics reach `step`; killed if still running after the block."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    try:
+        wait_for_step(proc, out, step)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

@@ -11,16 +11,26 @@ import pytest
 from conftest import REPO
 from recipe.launch import rank_env
 from recipe.metrics import read_jsonl
-from procs import alive, descendants, is_loopback, listening, rank_pids, wait_for_step
+from procs import alive, descendants, is_loopback, listening, rank_pids, running
 
 SHORT = ["--config", "recipe/configs/quickstart.yaml", "--per_device_train_batch_size", "4",
          "--gradient_accumulation_steps", "1", "--num_generations", "4", "--max_completion_length", "8",
          "--disable_tqdm", "true"]
 
 
-def local_sh(*args, **kw):
-    return subprocess.Popen(["bash", "launch/local.sh", *SHORT, *args], cwd=REPO, env=rank_env(VENV_PY=sys.executable),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+def local_sh_cmd(*args):
+    return ["bash", "launch/local.sh", *SHORT, *args]
+
+
+def local_sh(*args):
+    return subprocess.Popen(local_sh_cmd(*args), cwd=REPO, env=rank_env(VENV_PY=sys.executable),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def local_sh_running(out, *args, step=2):
+    """A long local.sh run into `out`, from its `step` on (killed when the block ends)."""
+    return running(local_sh_cmd("--max_steps", "100000", "--save_steps", "0", "--output_dir", str(out), *args),
+                   out, step, cwd=REPO, env=rank_env(VENV_PY=sys.executable))
 
 
 @pytest.mark.slow
@@ -54,9 +64,7 @@ def test_signal_to_the_launcher_checkpoints_exits_75_and_leaves_no_rank(tmp_path
     """The launcher forwards the signal, the ranks checkpoint and exit 75, which comes back unchanged; while it
     runs, every socket the run listens on is on loopback, and a second run on its folder exits 2."""
     out = tmp_path / "out"
-    proc = local_sh("--max_steps", "100000", "--save_steps", "0", "--output_dir", str(out))
-    try:
-        wait_for_step(proc, out, 2)
+    with local_sh_running(out) as proc:
         ranks = rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
         sockets = listening([proc.pid, *descendants(proc.pid)])
@@ -67,9 +75,6 @@ def test_signal_to_the_launcher_checkpoints_exits_75_and_leaves_no_rank(tmp_path
             assert second.returncode == 2 and f"output_dir {out} is in use by another run" in err2, err2[-3000:]
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 75, err[-3000:]
     assert f"got {sig.name}: forwarding it to the ranks" in err and "checkpoint saved, exit 75" in err
     assert not [r for r, pid in ranks.items() if alive(pid)], "a rank outlived the launcher"
@@ -84,17 +89,11 @@ def test_signal_to_the_launcher_checkpoints_exits_75_and_leaves_no_rank(tmp_path
 
 def test_a_single_process_run_listens_on_loopback_only(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "recipe.train", *SHORT, "--max_steps", "100000", "--save_steps", "0",
-                             "--output_dir", str(out)], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_step(proc, out, 1)
+    with running([sys.executable, "-m", "recipe.train", *SHORT, "--max_steps", "100000", "--save_steps", "0",
+                  "--output_dir", str(out)], out, cwd=REPO, env=rank_env()) as proc:
         sockets = listening([proc.pid])
         proc.send_signal(signal.SIGUSR1)
         _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 75, err[-3000:]
     assert all(is_loopback(a) for _, a in sockets), f"listening beyond loopback: {sockets}"
 
@@ -104,18 +103,12 @@ def test_a_stopped_rank_ends_the_job_within_the_collective_timeout(tmp_path, sto
     """SIGSTOP one rank: the other's next collective times out, it names the stopped rank, the launcher stops
     the stopped one and the job exits non-zero. Rank 0 too: the store it would ask lives in the launcher."""
     out, timeout_s = tmp_path / "out", 20
-    proc = local_sh("--max_steps", "100000", "--save_steps", "0", "--collective_timeout_s", str(timeout_s),
-                    "--output_dir", str(out))
-    try:
-        wait_for_step(proc, out, 2)
+    with local_sh_running(out, "--collective_timeout_s", str(timeout_s)) as proc:
         ranks = rank_pids(proc.pid)
         t0 = time.monotonic()
         subprocess.run(["kill", "-STOP", str(ranks[stopped])], check=True)
         _, err = proc.communicate(timeout=20 * timeout_s)  # a hang guard, not a measurement
         elapsed = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     print(f"rank {stopped} stopped: the job ended {elapsed:.1f} s later (collective_timeout_s = {timeout_s})")
     assert proc.returncode == 1, err[-3000:]
     assert f"error (rank {1 - stopped}): a collective failed or did not complete within collective_timeout_s = " \

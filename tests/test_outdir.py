@@ -4,13 +4,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from conftest import REPO
 from recipe.launch import rank_env
 from recipe.metrics import read_jsonl
+from procs import running
 from recipe.config import Config
 from recipe.outdir import OutputDirError, OutputLock, in_lineage
 
@@ -94,14 +94,8 @@ def test_auto_resume_with_outputs_but_no_checkpoint_is_refused(tmp_path):
 def test_a_second_run_on_a_busy_folder_stops_with_the_holder_and_the_first_is_unharmed(tmp_path):
     out = tmp_path / "out"
     # long enough to outlive the second runs' start-up; stopped with SIGUSR1 (checkpoint, exit 75) afterwards
-    first = subprocess.Popen([*RUN, "--output_dir", str(out), "--max_steps", "100000", "--save_steps", "0"],
-                             cwd=REPO, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        metrics = out / "metrics.jsonl"
-        end = time.monotonic() + 300
-        while not (metrics.exists() and read_jsonl(metrics)):
-            assert first.poll() is None and time.monotonic() < end, first.communicate()[1][-3000:]
-            time.sleep(0.2)
+    with running([*RUN, "--output_dir", str(out), "--max_steps", "100000", "--save_steps", "0"], out, cwd=REPO,
+                 env=rank_env()) as first:
         for extra in ([], ["--resume_from_checkpoint", "auto"], ["--overwrite_output_dir", "true"]):
             second = run(out, *extra, check=False)
             assert second.returncode == 2, second.stderr[-3000:]
@@ -109,9 +103,6 @@ def test_a_second_run_on_a_busy_folder_stops_with_the_holder_and_the_first_is_un
         assert first.poll() is None
         first.send_signal(signal.SIGUSR1)
         _, err = first.communicate(timeout=600)
-    finally:
-        if first.poll() is None:
-            first.kill()
     assert first.returncode == 75, err[-3000:]
     k = steps(out)[-1]
     assert steps(out) == list(range(1, k + 1)) and saved(out) == [f"step-{k:08d}"]  # one run's, whole
