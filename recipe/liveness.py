@@ -8,6 +8,7 @@ script, torchrun), so it still answers when rank 0 is the one that stopped.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -28,22 +29,26 @@ def _store(timeout_s: float):
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def _beat(rank: int) -> None:
+def _beat(rank: int, stop: threading.Event) -> None:
     store = None
-    while True:
+    while not stop.is_set():
         try:
-            store = store or _store(30.0)
+            store = store or _store(10.0)
             store.add(_KEY.format(rank), 1)
         except Exception:  # noqa: BLE001 -- the store may be gone at the end of a run: try again later
             store = None
-        time.sleep(HEARTBEAT_S)
+        stop.wait(HEARTBEAT_S)
 
 
 def start(rank: int, world: int, timeout_s: float) -> None:
-    """Remember the run for `report` and start this rank's heartbeat (multi-rank runs with a TCP store)."""
+    """Remember the run for `describe` and start this rank's heartbeat (multi-rank runs with a TCP store)."""
     _run.update(rank=rank, world=world, timeout_s=timeout_s)
     if world > 1 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        threading.Thread(target=_beat, args=(rank,), name="grpo-heartbeat", daemon=True).start()
+        stop = threading.Event()
+        thread = threading.Thread(target=_beat, args=(rank, stop), name="grpo-heartbeat", daemon=True)
+        thread.start()
+        # stopped before interpreter teardown: a daemon thread caught inside the store's C++ call then aborts
+        atexit.register(lambda: (stop.set(), thread.join(timeout=15.0)))
 
 
 def silent_ranks(rank: int, world: int) -> list[int] | None:
