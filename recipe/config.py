@@ -26,6 +26,7 @@ LORA_SYNC_MODES = ("merged", "adapter")  # how a LoRA policy reaches vLLM (gener
 # any format `datasets` reads is loaded, these are only the common ones.
 DATA_SUFFIXES = {".jsonl", ".json", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow", ".txt", ".xml",
                  ".gz", ".bz2", ".xz", ".zst", ".zip"}
+MAX_SEED = 2**31 - 1
 
 
 class ConfigError(ValueError):
@@ -119,6 +120,8 @@ class Config:
     adam_epsilon: float = opt(1e-8, "AdamW epsilon")
     max_grad_norm: float = opt(1.0, "gradient clipping norm; 0 = no clipping")
     max_steps: int = opt(100, "optimizer steps to train")
+    skip_nonfinite_steps: int = opt(0, "steps with a non-finite loss or gradient norm (not applied) the run may "
+                                    "skip before it stops; 0 = stop at the first")
     # --- run ---------------------------------------------------------------------------
     seed: int = opt(42, "seeds sampling, data order and initialization")
     output_dir: str = opt("output", "metrics.jsonl, checkpoints/ and final/ go here")
@@ -288,9 +291,12 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
         if not path.is_file():
             raise ConfigError(f"config file not found: {config_path}")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {config_path} is not valid YAML: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"config file {config_path} is not valid YAML: {yaml_problem(e)}") from None
+        if loaded is None:  # an empty or comments-only file: almost surely the wrong file, not "all defaults"
+            raise ConfigError(f"config file {config_path} is empty: it sets no field (leave out --config to run "
+                              "on the defaults)")
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {config_path} must hold a mapping of fields")
         values.update(loaded)
@@ -304,6 +310,13 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size)
     return cfg
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """What a YAML parser error says, with its line and column (PyYAML's str() spreads them over lines)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + (getattr(e, "problem", None) or " ".join(str(e).split()))
 
 
 def resolve_path(path: str) -> Path:
@@ -348,6 +361,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(all(isinstance(s, str) and s for s in cfg.stop),
          f"stop: must be a list of non-empty strings, got {cfg.stop!r}")
     check_sampling_is_scored(cfg)
+    # numpy seeds each rank with seed + rank and takes unsigned 32-bit seeds only
+    need(0 <= cfg.seed <= MAX_SEED, f"seed: must be in [0, {MAX_SEED}], got {cfg.seed}")
+    need(cfg.skip_nonfinite_steps >= 0, f"skip_nonfinite_steps: must be >= 0, got {cfg.skip_nonfinite_steps}")
     need(cfg.learning_rate > 0.0, f"learning_rate: must be > 0, got {cfg.learning_rate}")
     need(cfg.save_steps >= 0, f"save_steps: must be >= 0, got {cfg.save_steps}")
     need(cfg.collective_timeout_s > 0, f"collective_timeout_s: must be > 0, got {cfg.collective_timeout_s}")

@@ -2,12 +2,17 @@
 group starts, so that a missing file or an unusable backend costs a one-line ConfigError (exit code 2).
 
 `config.py` checks the fields on their own; this step asks the rest of the machine: do the files exist, is the
-built-in model there (it is built here, once, before any rank needs it), can vLLM serve the model here, do the
-reward functions import.
+model there (a built-in one is built here, once, before any rank needs it; a hub name must be cached or the hub
+reachable), can the output folder be written, can vLLM serve the model here, do the reward functions import.
 """
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
+import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -17,12 +22,15 @@ from recipe.generation.vllm import VLLMUnavailable, check_adapter_mode, check_av
 from recipe.rewards import RewardError, load_reward_funcs
 from recipe.tiny import BUILTIN_MODELS, ensure_builtin
 
+HUB_PROBE_S = 5.0  # how long the hub may take to answer before it counts as unreachable
+
 
 def preflight(cfg: Config) -> None:
     """Raise a ConfigError naming the field whose file, model, backend or reward function is unusable here."""
     need(resolve_path(cfg.deepspeed_config).is_file(), f"deepspeed_config: file not found: {cfg.deepspeed_config}")
     if looks_like_file(cfg.dataset_name):
         need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
+    check_output_dir(cfg.output_dir)
     folder = model_folder(cfg.model_name_or_path)
     if cfg.generation_backend == "vllm":
         check_vllm(cfg, folder)
@@ -32,8 +40,25 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_output_dir(output_dir: str) -> None:
+    """The output folder (or, before it exists, its nearest existing parent) takes new files. Nothing is left
+    behind: the probe is an unnamed temporary file."""
+    path = Path(output_dir).expanduser()
+    need(not path.exists() or path.is_dir(), f"output_dir: {output_dir} is a file, not a folder")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    need(probe.is_dir(), f"output_dir: cannot create {output_dir}: {probe} is a file")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(f"output_dir: cannot write in {probe}: {e.strerror}") from None
+
+
 def model_folder(model: str) -> Path | None:
-    """The model's local folder (a built-in one built now), or None for a hub name."""
+    """The model's local folder (a built-in one built now, a hub name's cached snapshot), or None for a hub name
+    that will be downloaded."""
     if model.startswith("builtin:"):
         need(model in BUILTIN_MODELS, f"model_name_or_path: unknown built-in {model!r} (have {', '.join(BUILTIN_MODELS)})")
         return ensure_builtin(model)
@@ -41,7 +66,83 @@ def model_folder(model: str) -> Path | None:
         folder = resolve_path(os.path.expanduser(model))
         need(folder.is_dir(), f"model_name_or_path: folder not found: {model}")
         return folder
-    return None
+    return hub_snapshot(model)
+
+
+# ------------------------------------------------------------------------------------------
+# hub names
+# ------------------------------------------------------------------------------------------
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_offline() -> bool:
+    """huggingface_hub's offline switch, read now (its own constant is read once, at import)."""
+    return _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+
+def hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+
+
+def hub_unreachable(endpoint: str) -> str | None:
+    """Why the hub does not answer (None: it does), within HUB_PROBE_S. Any HTTP answer counts: only whether
+    files could be downloaded matters. Without it, transformers retries for minutes before it fails."""
+    result: list[str | None] = []
+
+    def probe():
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_S)
+            result.append(None)
+        except urllib.error.HTTPError:
+            result.append(None)  # it answered
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            result.append(str(getattr(e, "reason", e)))
+
+    # a thread: name resolution has no timeout of its own
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_S + 1.0)
+    return result[0] if result else f"no answer within {HUB_PROBE_S:.0f} s"
+
+
+def go_offline() -> None:
+    """Make this process's hub clients use the cache only (read from the environment at import; set on the
+    module too when it is already imported)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if "huggingface_hub.constants" in sys.modules:
+        sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
+
+
+def hub_snapshot(name: str) -> Path | None:
+    """A hub name's cached snapshot, or None when it will be downloaded. Offline, or with the hub unreachable,
+    a name that is not cached is a one-line error, and a cached one is used offline."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:  # e.g. out/run/final: only a folder can have that name
+        raise ConfigError(f"model_name_or_path: no such folder: {name}") from None
+    cached = try_to_load_from_cache(name, "config.json", cache_dir=hub_cache())
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    offline = hub_offline()
+    why = None if offline else hub_unreachable(endpoint)
+    if isinstance(cached, str):
+        if why is not None:
+            print(f"note: {endpoint} is unreachable ({why}): using the cached {name} offline", file=sys.stderr)
+            go_offline()
+        return Path(cached).parent
+    if not offline and why is None:
+        return None  # transformers downloads it
+    parent = name.split("/")[0]
+    if "/" in name and resolve_path(parent).is_dir():  # out/finl with a folder out/ here: a mistyped path
+        raise ConfigError(f"model_name_or_path: no such folder: {name} (and no hub model of that name is cached)")
+    reason = "offline mode is on (HF_HUB_OFFLINE)" if offline else f"{endpoint} is unreachable ({why})"
+    raise ConfigError(f"model_name_or_path: {name} is neither a local folder nor in the hub cache ({hub_cache()}), "
+                      f"and {reason}: download it first or give a local folder")
 
 
 def check_vllm(cfg: Config, folder: Path | None) -> None:

@@ -150,3 +150,22 @@ def test_readme_shows_the_example_config_as_shipped():
     shipped = REPO / "recipe/configs/gsm8k_local.yaml"
     assert yaml.safe_load(block) == yaml.safe_load(shipped.read_text())
     assert load_config(["--config", str(shipped)]).prompt_column == "question"
+
+
+def test_seed_range_empty_config_and_yaml_errors_with_their_place(tmp_path):
+    for seed in (-1, 2**31):
+        with pytest.raises(ConfigError, match=rf"seed: must be in \[0, 2147483647\], got {seed}"):
+            load_config(["--seed", str(seed)])
+    assert load_config(["--seed", "0"]).seed == 0
+    with pytest.raises(ConfigError, match="skip_nonfinite_steps: must be >= 0"):
+        load_config(["--skip_nonfinite_steps", "-1"])
+    for text in ("", "# only a comment\n"):
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(ConfigError, match="c.yaml is empty: it sets no field"):
+            load_config(["--config", str(tmp_path / "c.yaml")])
+    (tmp_path / "c.yaml").write_text("{}\n")  # an explicit empty mapping says "the defaults" on purpose
+    assert load_config(["--config", str(tmp_path / "c.yaml")]) == Config()
+    (tmp_path / "c.yaml").write_text("seed: 1\nreward_funcs: [length\nbeta: 0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", str(tmp_path / "c.yaml")])
+    assert "is not valid YAML: line 3, column 5: " in str(e.value) and "\n" not in str(e.value)

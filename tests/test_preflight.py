@@ -1,0 +1,79 @@
+"""Preflight's environment checks: hub names (cached, offline, unreachable, mistyped paths) and the output folder,
+each a one-line ConfigError before any process group; nothing written by the checks themselves."""
+import http.server
+import os
+import shutil
+import socket
+import threading
+
+import pytest
+
+from recipe.config import ConfigError
+from recipe.preflight import check_output_dir, hub_unreachable, model_folder
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch, tiny_model_dir):
+    """A hub cache holding org/tiny (the built-in model's files), an unreachable hub, and this process's hub
+    offline switch put back afterwards (preflight sets it when it uses the cache)."""
+    import huggingface_hub.constants as constants
+
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model_dir, snap)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)
+    monkeypatch.chdir(tmp_path)
+    return snap
+
+
+def test_a_cached_hub_model_is_used_offline_when_the_hub_is_unreachable(hub, capsys):
+    import huggingface_hub.constants as constants
+
+    assert model_folder("org/tiny") == hub
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and constants.HF_HUB_OFFLINE  # transformers will not retry
+    assert "is unreachable" in capsys.readouterr().err
+
+
+def test_hub_names_that_cannot_load(hub, monkeypatch):
+    with pytest.raises(ConfigError, match="model_name_or_path: org/other is neither a local folder nor in the hub "
+                                          "cache .* is unreachable .*: download it first"):
+        model_folder("org/other")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match=r"offline mode is on \(HF_HUB_OFFLINE\)"):
+        model_folder("org/other")
+    assert model_folder("org/tiny") == hub  # offline and cached: fine
+    with pytest.raises(ConfigError, match="model_name_or_path: no such folder: runs/a/final$"):
+        model_folder("runs/a/final")  # two slashes: no hub name looks like that
+    (hub.parents[3] / "runs").mkdir()
+    with pytest.raises(ConfigError, match="model_name_or_path: no such folder: runs/finl \\(and no hub model"):
+        model_folder("runs/finl")  # runs/ is a folder here: a mistyped path, not a hub name
+
+
+def test_hub_probe_counts_any_http_answer():
+    assert "refused" in hub_unreachable(f"http://127.0.0.1:{closed_port()}").lower()
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert hub_unreachable(f"http://127.0.0.1:{server.server_port}") is None
+    finally:
+        server.shutdown()
+
+
+def test_output_dir_must_be_a_folder_that_takes_files(tmp_path):
+    check_output_dir(str(tmp_path / "a" / "b"))  # created later, by the run; its parent takes files
+    assert not (tmp_path / "a").exists() and list(tmp_path.iterdir()) == []  # the probe left nothing
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="output_dir: .*/f is a file, not a folder"):
+        check_output_dir(str(tmp_path / "f"))
+    with pytest.raises(ConfigError, match="output_dir: cannot create .*/f/run: .*/f is a file"):
+        check_output_dir(str(tmp_path / "f" / "run"))
