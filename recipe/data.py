@@ -59,6 +59,7 @@ def load_prompt_dataset(cfg: Config):
         if path.is_file():
             if config:
                 raise DataError(f"dataset_config: {name} is a single file, it has no configs (got {config!r})")
+            check_not_empty(path, name)
             # the folder-based loader infers the format from the file's extension (compressed ones too)
             ds = datasets.load_dataset(str(path.parent.resolve()), data_files=path.name, split=split)
         elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
@@ -124,6 +125,46 @@ def _check_prompt(prompt, row: int, column: str) -> None:
                         "expected text or a list of chat messages ({role, content})")
 
 
+def check_not_empty(path, name: str) -> None:
+    """A file with nothing in it (datasets would say only `StopIteration`)."""
+    size = path.stat().st_size
+    if size == 0 or size <= 1 << 16 and not path.read_bytes().strip():
+        raise DataError(f"dataset_name: {name} is empty ({size} bytes, no rows)")
+
+
+def uses_chat_template(tokenizer, cfg: Config) -> bool:
+    """Whether prompts go through the tokenizer's chat template (`chat_template: true` demands one)."""
+    mode = str(cfg.chat_template).lower()
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if mode == "true" and not has_template:
+        raise DataError("chat_template: true, but the tokenizer has no chat template")
+    if cfg.chat_template_kwargs and not (has_template and mode != "false"):
+        raise DataError("chat_template_kwargs: given, but no chat template is applied (chat_template: "
+                        f"{cfg.chat_template}, tokenizer template: {'yes' if has_template else 'none'})")
+    return has_template and mode != "false"
+
+
+def check_prompts(ds, cfg: Config, chat: bool) -> None:
+    """Every row's prompt, when the data loads (not rollouts later, inside the loop): none null, none empty,
+    chat messages only when a chat template applies them."""
+    column, name = cfg.prompt_column, cfg.dataset_name
+    start = 0
+    for batch in ds.select_columns([column]).iter(batch_size=10_000):
+        for i, prompt in enumerate(batch[column], start):
+            if prompt is None:
+                raise DataError(f"prompt_column: row {i} of {name} has no {column!r} (null); every row needs a prompt")
+            if isinstance(prompt, str) and not prompt.strip():
+                raise DataError(f"prompt_column: row {i} of {name} has an empty {column!r}")
+            if isinstance(prompt, list) and not prompt:
+                raise DataError(f"prompt_column: row {i} of {name} has an empty list of chat messages")
+            if isinstance(prompt, list) and not chat:
+                why = "chat_template: false" if str(cfg.chat_template).lower() == "false" else \
+                    f"the tokenizer of {cfg.model_name_or_path} has no chat template"
+                raise DataError(f"prompt_column: row {i} of {name} holds chat messages, but {why}; give text "
+                                "prompts or a model with a chat template")
+        start += len(batch[column])
+
+
 @dataclass
 class PromptBatch:
     prompts: list  # as in the dataset (strings or chat messages), one per prompt
@@ -142,14 +183,7 @@ class PromptStream:
     def __init__(self, dataset, tokenizer, cfg: Config, rank: int, world_size: int):
         self.ds, self.tok, self.cfg = dataset, tokenizer, cfg
         self.rank, self.world = rank, world_size
-        mode = str(cfg.chat_template).lower()
-        has_template = getattr(tokenizer, "chat_template", None) is not None
-        if mode == "true" and not has_template:
-            raise DataError("chat_template: true, but the tokenizer has no chat template")
-        self.use_chat = has_template and mode != "false"
-        if cfg.chat_template_kwargs and not self.use_chat:
-            raise DataError("chat_template_kwargs: given, but no chat template is applied (chat_template: "
-                            f"{cfg.chat_template}, tokenizer template: {'yes' if has_template else 'none'})")
+        self.use_chat = uses_chat_template(tokenizer, cfg)
         self._perms: dict[int, torch.Tensor] = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:

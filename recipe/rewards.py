@@ -10,6 +10,7 @@ Bad output stops the run at once with a RewardError naming the function and the 
 from __future__ import annotations
 
 import asyncio
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from recipe.config import resolve_path
+from recipe.data import RESERVED_COLUMNS  # what the recipe passes itself
 from recipe.math_answers import answers_match, completion_answer, reference_answer
 
 
@@ -121,6 +123,24 @@ def _import(spec: str) -> tuple[str, Callable]:
     return attr, fn
 
 
+def check_kwargs(name: str, fn: Callable, kwargs: dict) -> None:
+    """Every kwarg names an argument of the function. A built-in's `**columns` takes the dataset's columns, not
+    settings, so a misspelled setting would silently be ignored there; a user function's `**kwargs` may want
+    anything, so only one without it is checked."""
+    params = inspect.signature(fn).parameters.values()
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             and p.name not in RESERVED_COLUMNS]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
+    if takes_any and fn not in BUILTINS.values():
+        return
+    for key in kwargs:
+        if key not in named:
+            close = difflib.get_close_matches(key, named, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RewardError(f"reward_funcs: {name!r} has no argument {key!r} ({hint}it takes "
+                              f"{', '.join(named) or 'none'})")
+
+
 def load_reward_funcs(specs: list) -> list[RewardFunc]:
     funcs = []
     for spec in specs:
@@ -138,6 +158,7 @@ def load_reward_funcs(specs: list) -> list[RewardFunc]:
         kwargs = spec.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise RewardError(f"reward_funcs: kwargs of {name!r} must be a mapping, got {kwargs!r}")
+        check_kwargs(name, fn, kwargs)
         funcs.append(RewardFunc(str(spec.get("name", name)), fn, float(weight), kwargs))
     names = [f.name for f in funcs]
     dup = {n for n in names if names.count(n) > 1}
@@ -169,7 +190,13 @@ def _validate(name: str, out: Any, n: int) -> torch.Tensor:
         if not math.isfinite(v):
             raise RewardError(f"reward {name!r} returned {v} at sample {i}")
         values.append(float(v))
-    return torch.tensor(values, dtype=torch.float32)
+    out = torch.tensor(values, dtype=torch.float32)
+    bad = torch.isinf(out).nonzero()  # (NaN: None, not applicable)
+    if len(bad):  # finite as a Python float, but beyond float32's range (about 3.4e38)
+        i = int(bad[0])
+        raise RewardError(f"reward {name!r} returned {values[i]:g} at sample {i}, which overflows float32 "
+                          f"(|reward| must stay below {torch.finfo(torch.float32).max:.3g})")
+    return out
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None
@@ -192,8 +219,10 @@ def _call_all(funcs: list[RewardFunc], inputs: dict) -> dict[str, Any]:
             out = f.fn(**{**inputs, **f.kwargs})
         except RewardError:
             raise
-        except Exception as e:
-            raise RewardError(f"reward {f.name!r} raised {type(e).__name__}: {e}") from e
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # sys.exit too: this rank must stay to tell the others, not vanish
+            raise RewardError(called_failed(f.name, e)) from e
         (pending if inspect.isawaitable(out) else outs)[f.name] = out
     if pending:
         async def gather():
@@ -203,7 +232,7 @@ def _call_all(funcs: list[RewardFunc], inputs: dict) -> dict[str, Any]:
             if isinstance(out, RewardError):
                 raise out
             if isinstance(out, BaseException):
-                raise RewardError(f"reward {name!r} raised {type(out).__name__}: {out}") from out
+                raise RewardError(called_failed(name, out)) from out
             outs[name] = out
     return outs
 
@@ -230,4 +259,20 @@ def score(funcs: list[RewardFunc], prompts: list, completions: list[str], column
         i = int(missing.nonzero()[0])
         raise RewardError(f"no reward function applies to sample {i}: every one returned None "
                           f"({', '.join(f.name for f in funcs)})")
-    return values.nansum(dim=0), per_func
+    total = values.nansum(dim=0)
+    check_total(total, funcs)
+    return total, per_func
+
+
+def called_failed(name: str, e: BaseException) -> str:
+    if isinstance(e, SystemExit):
+        return f"reward {name!r} called sys.exit({e.code!r})"
+    return f"reward {name!r} raised {type(e).__name__}: {e}"
+
+
+def check_total(total: torch.Tensor, funcs: list[RewardFunc]) -> None:
+    """Finite values can still overflow once weighted and summed."""
+    bad = (~torch.isfinite(total)).nonzero()
+    if len(bad):
+        weights = ", ".join(f"{f.name} x {f.weight:g}" for f in funcs)
+        raise RewardError(f"the weighted sum of the rewards ({weights}) overflows float32 at sample {int(bad[0])}")

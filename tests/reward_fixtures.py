@@ -72,3 +72,44 @@ async def async_b(prompts, completions, **kw):
 
 async def async_raises(prompts, completions, **kw):
     raise KeyError("missing")
+
+
+def huge(prompts, completions, **kw):
+    return [1e308 if i == 1 else 0.0 for i in range(len(completions))]
+
+
+def exits_on_rank1(prompts, completions, **kw):
+    import os
+    import sys
+
+    if os.environ.get("RANK") == "1":
+        sys.exit(3)
+    return [0.0] * len(completions)
+
+
+_calls = [0]
+
+
+def fill_disk(prompts, completions, path: str = "", at_call: int = 2, leave: int = 0, inodes: bool = False, **kw):
+    """A zero reward that, on its `at_call`-th call, fills the filesystem holding `path` (rank 0 only) until
+    `leave` bytes (or with inodes, `leave` inodes) are free: a disk that fills while the run goes on."""
+    import os
+
+    _calls[0] += 1
+    if _calls[0] == at_call and os.environ.get("RANK", "0") == "0":
+        os.makedirs(path, exist_ok=True)
+        if inodes:
+            made = []
+            try:
+                while True:
+                    made.append(os.path.join(path, f"i{len(made)}"))
+                    open(made[-1], "w").close()
+            except OSError:
+                made.pop()
+            for name in made[:leave]:
+                os.remove(name)
+        else:
+            st = os.statvfs(path)
+            with open(os.path.join(path, "ballast"), "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, max(st.f_bavail * st.f_frsize - leave, 1))
+    return [0.0] * len(completions)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recipe.config import Config
-from recipe.data import DataError, PromptStream, left_pad, load_prompt_dataset
+from recipe.data import DataError, PromptStream, check_prompts, left_pad, load_prompt_dataset, uses_chat_template
 from recipe.engine import load_tokenizer
 
 
@@ -201,3 +201,33 @@ def test_data_errors_name_the_field_or_column(tmp_path, tok):
     bad.write_text("x")
     with pytest.raises(DataError, match="^dataset_name: cannot load .*p.xyz"):
         load_prompt_dataset(cfg_for(bad))
+
+
+@pytest.mark.parametrize("rows, chat, message", [
+    ([{"prompt": "a"}, {"prompt": None}], False, "row 1 of .* has no 'prompt' \\(null\\)"),
+    ([{"prompt": "a"}, {"prompt": "b"}, {"prompt": ""}], False, "row 2 of .* has an empty 'prompt'"),
+    ([{"prompt": " \n\t"}], False, "row 0 of .* has an empty 'prompt'"),
+    ([{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": []}], True, "row 1 of .* empty list of chat messages"),
+    ([{"prompt": [{"role": "user", "content": "hi"}]}], None, "row 0 of .* holds chat messages, but the tokenizer "
+                                                              "of .* has no chat template"),
+])
+def test_every_prompt_is_checked_when_the_data_loads(tmp_path, tok, rows, chat, message):
+    cfg = cfg_for(write_jsonl(tmp_path / "p.jsonl", rows))
+    with pytest.raises(DataError, match=f"prompt_column: {message}"):  # None: as the tiny tokenizer says
+        check_prompts(load_prompt_dataset(cfg), cfg, uses_chat_template(tok, cfg) if chat is None else chat)
+
+
+def test_good_prompts_pass_and_chat_messages_need_the_template(tmp_path, tok):
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"prompt": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)])
+    text = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"prompt {i}"} for i in range(3)])
+    check_prompts(load_prompt_dataset(cfg_for(text)), cfg_for(text), chat=False)
+    check_prompts(load_prompt_dataset(cfg_for(chat)), cfg_for(chat), chat=True)
+    with pytest.raises(DataError, match="holds chat messages, but chat_template: false"):
+        check_prompts(load_prompt_dataset(cfg_for(chat)), cfg_for(chat, chat_template=False), chat=False)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_an_empty_file_is_named(tmp_path, text):
+    (tmp_path / "p.jsonl").write_text(text)
+    with pytest.raises(DataError, match=r"dataset_name: .*p.jsonl is empty \(\d+ bytes, no rows\)"):
+        load_prompt_dataset(cfg_for(tmp_path / "p.jsonl"))

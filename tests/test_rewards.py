@@ -114,6 +114,53 @@ def test_bad_specs(spec, message):
         load_reward_funcs([spec])
 
 
+@pytest.mark.parametrize("spec, message", [
+    ({"func": "length", "kwargs": {"target_char": 5}}, "'length' has no argument 'target_char' (did you mean "
+                                                       "'target_chars'? it takes target_chars)"),
+    ({"func": "accuracy", "kwargs": {"answer_colum": "a"}}, "'accuracy' has no argument 'answer_colum'"),
+    ({"func": "tests.reward_fixtures:wrong_count", "kwargs": {"scale": 2}}, None),  # **kw: may want anything
+])
+def test_kwargs_must_name_an_argument(spec, message):
+    if message is None:
+        assert load_reward_funcs([spec])[0].kwargs == {"scale": 2}
+    else:
+        with pytest.raises(RewardError) as e:
+            load_reward_funcs([spec])
+        assert message in str(e.value)
+
+
+def test_a_user_function_without_kwargs_is_checked_too(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text("def exact(prompts, completions, target=1):\n    return [0.0] * len(completions)\n")
+    assert load_reward_funcs([{"func": f"{f}:exact", "kwargs": {"target": 2}}])[0].kwargs == {"target": 2}
+    with pytest.raises(RewardError, match="'exact' has no argument 'traget' \\(did you mean 'target'"):
+        load_reward_funcs([{"func": f"{f}:exact", "kwargs": {"traget": 2}}])
+
+
+def test_values_beyond_float32_and_overflowing_sums_are_named():
+    (f,) = load_reward_funcs(["tests.reward_fixtures:huge"])
+    with pytest.raises(RewardError, match=r"reward 'huge' returned 1e\+308 at sample 1, which overflows float32"):
+        score([f], ["p"] * 3, ["a", "b", "c"], {})
+    funcs = load_reward_funcs([{"func": "length", "weight": 1e38}, {"func": "length", "name": "again", "weight": 1e38}])
+    with pytest.raises(RewardError, match=r"weighted sum of the rewards \(length x 1e\+38, again x 1e\+38\) "
+                                          r"overflows float32 at sample 0"):
+        score(funcs, ["p"], ["a"], {})
+
+
+def test_sys_exit_and_base_exceptions_become_named_errors(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text("import sys\nclass Stop(BaseException):\n    pass\n"
+                 "def leave(prompts, completions, **kw):\n    sys.exit(3)\n"
+                 "def stop(prompts, completions, **kw):\n    raise Stop('now')\n"
+                 "def interrupt(prompts, completions, **kw):\n    raise KeyboardInterrupt\n")
+    for name, message in (("leave", "reward 'leave' called sys.exit(3)"), ("stop", "reward 'stop' raised Stop: now")):
+        with pytest.raises(RewardError) as e:
+            score(load_reward_funcs([f"{f}:{name}"]), ["p"], ["a"], {})
+        assert str(e.value) == message
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C still stops the run
+        score(load_reward_funcs([f"{f}:interrupt"]), ["p"], ["a"], {})
+
+
 def test_duplicate_names_need_distinct_name():
     with pytest.raises(RewardError, match="duplicate"):
         load_reward_funcs(["length", "length"])
