@@ -3,11 +3,15 @@
 Layout under OUTPUT_DIR/checkpoints/:
     step-00000012/ds/...          the DeepSpeed checkpoint, sharded as ZeRO-3 holds it
     step-00000012/loop_rank{r}.pt  rank r's loop position, counters, RNG states and rollout buffer shard
-    step-00000012/meta.json        written last: step, config, world size, the writing run's id, every file's size
+    step-00000012/meta.json        written last: step, config, world size, the writing run's id, every file's
+                                   size and CRC-32
     latest                         the newest complete step folder's name (updated after the rename)
 A save goes to `.tmp-step-...` and is renamed into place only when every rank has written, so a folder
-named `step-*` with a matching meta.json is complete; anything else is skipped with a warning on resume.
+named `step-*` whose files match meta.json is complete; anything else is skipped with a warning on resume.
 Resuming (`auto`) and pruning consider only the checkpoints of this run's lineage (recipe/outdir.py).
+A save that cannot be written (a full disk) removes its partial folder and stops the run with one line; the
+earlier checkpoints stay. DeepSpeed's zero_to_fp32.py is not shipped (it unpickles with weights_only=False):
+`python -m recipe.export` converts a checkpoint instead.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import random
 import shutil
 import signal
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from recipe.config import Config
+from recipe.engine import first_error
 from recipe.outdir import in_lineage
 
 # Fields that may change between a run and its resumption; every other field must match.
 MUTABLE_FIELDS = {"max_steps", "logging_steps", "report_to_tensorboard", "disable_tqdm", "output_dir",
                   "resume_from_checkpoint", "save_steps", "save_total_limit", "overwrite_output_dir",
-                  "collective_timeout_s"}
+                  "collective_timeout_s", "skip_nonfinite_steps"}
 
 
 class CheckpointError(RuntimeError):
@@ -46,6 +52,42 @@ def _fsync_write(path: Path, text: str) -> None:
 def _file_sizes(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
             if p.is_file() and p.name != "meta.json"}
+
+
+def crc32_file(path: Path) -> str:
+    """A file's CRC-32: catches accidental corruption (not tampering) at about 4x the speed of SHA-256 here."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def free_space(path: Path) -> tuple[int, int]:
+    """(free bytes, free inodes) on the filesystem that holds `path`, or would once it exists."""
+    while not path.exists():
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_favail
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def checkpoint_bytes(engine) -> int:
+    """At least what one checkpoint of this engine holds: the fp32 copy of every trained parameter, with Adam
+    its two moments, and under ZeRO-2/3 the frozen weights (the loop's state and small records come on top)."""
+    params = list(engine.module.parameters())
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 -- ZeRO-3 leaves an empty tensor in place
+    trained = sum(numel(p) for p in params if p.requires_grad)
+    frozen = sum(numel(p) * p.element_size() for p in params if not p.requires_grad)
+    per_param = 12 if "adam" in str(engine.optimizer_name() or "").lower() else 4
+    return trained * per_param + (frozen if engine.zero_optimization_partition_gradients() else 0)
 
 
 def rng_state() -> dict:
@@ -66,14 +108,15 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def safe_load(path, map_location=None):
+def safe_load(path, map_location=None, mmap=None, _torch_load=torch.load):
     """torch.load with weights_only=True; only DeepSpeed's own plain data types (a stage enum, loss-scaler
-    records) are allow-listed, so a checkpoint from an untrusted path cannot run code."""
+    records) are allow-listed, so a checkpoint from an untrusted path cannot run code. (`_torch_load` is bound
+    when this module loads, so recipe.export may route torch.load itself through here.)"""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
     with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler]):
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return _torch_load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 class Checkpointer:
@@ -84,6 +127,7 @@ class Checkpointer:
         # this run's segment and lineage (set from the output folder's claim); None: every checkpoint counts
         self.run_id: str | None = None
         self.lineage: list[dict] | None = None
+        self.last_bytes: int | None = None  # size of the last checkpoint written or resumed from
 
     # --- preemption ---------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -105,30 +149,145 @@ class Checkpointer:
         return self.cfg.save_steps > 0 and step % self.cfg.save_steps == 0
 
     def save(self, engine, step: int, loop_state: dict) -> Path:
+        """Write a checkpoint atomically. A disk too full for it stops the run with a CheckpointError naming the
+        folder, before writing when the free space is known to be short, else once a write fails: the partial
+        folder is removed and the earlier checkpoints are kept."""
         name = f"step-{step:08d}"
         final, tmp = self.root / name, self.root / f".tmp-{name}"
+        needed = self.last_bytes or checkpoint_bytes(engine)
+        free, _ = free_space(self.root)
+        if not self._all(free >= needed):
+            raise CheckpointError(f"checkpoint {final}: not enough disk space ({mib(free)} free on that filesystem; "
+                                  f"{self.space_note(needed)}); nothing written, {self.kept_note()}")
+        failure = first_error(self._write(engine, tmp, loop_state))
+        if failure is None:
+            sums = self._checksums(tmp)  # every rank has written: sum the files in parallel
+            failure = sums if isinstance(sums, tuple) else first_error(self._publish(tmp, final, step, sums))
+        if failure is not None:
+            free, inodes = free_space(self.root)  # measured on every rank before the partial folder goes
+            dist.barrier()
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            full = "the disk is full" + (" (no free inodes)" if inodes == 0 else "") \
+                if free < needed or inodes == 0 or "No space left" in failure[1] else "a write failed"
+            raise CheckpointError(f"checkpoint {tmp} could not be written: {full} ({mib(free)} free; rank "
+                                  f"{failure[0]}: {failure[1]}); removed it, {self.kept_note()}; "
+                                  f"{self.space_note(needed)}")
+        self.last_bytes = sum(_file_sizes(final).values())
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            try:
+                _fsync_write(self.root / "latest.tmp", name)
+                os.replace(self.root / "latest.tmp", self.root / "latest")
+                self._prune()
+            except OSError as e:  # the checkpoint itself is complete; resuming finds it without `latest`
+                print(f"warning: {final} saved, but updating {self.root / 'latest'} failed: {one_line(e)}",
+                      file=sys.stderr)
         dist.barrier()
-        engine.save_checkpoint(str(tmp), tag="ds", save_latest=False)
-        path = tmp / f"loop_rank{self.rank}.pt"
-        torch.save({**loop_state, "rng": rng_state()}, path)
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        dist.barrier()
-        if self.rank == 0:
+        return final
+
+    def _write(self, engine, tmp: Path, loop_state: dict) -> str | None:
+        """This rank's part of the checkpoint. A failed write is returned, not raised: every rank must still walk
+        through DeepSpeed's collectives, then they agree."""
+        errors: list[str] = []
+        ds = engine.checkpoint_engine
+        ds_save, ds_makedirs = ds.save, ds.makedirs
+
+        def recorded(write):
+            def call(*args, **kwargs):
+                if not errors:  # the first failure is the one to report; the disk stays full after it
+                    try:
+                        write(*args, **kwargs)
+                    except (OSError, RuntimeError) as e:  # torch reports a full disk as RuntimeError
+                        errors.append(f"{args[-1] if args else kwargs.get('path')}: {one_line(e)}")
+            return call
+
+        ds.save, ds.makedirs = recorded(ds_save), recorded(ds_makedirs)
+        # DeepSpeed copies zero_to_fp32.py into every checkpoint: it unpickles with weights_only=False, and its
+        # copy (rank 0 only) could fail out of the save's collectives. recipe.export converts checkpoints.
+        engine._copy_recovery_script = lambda save_path: None
+        try:
+            if self.rank == 0:
+                try:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir(parents=True)
+                except OSError as e:
+                    errors.append(f"{tmp}: {one_line(e)}")
+            dist.barrier()
+            engine.save_checkpoint(str(tmp), tag="ds", save_latest=False)
+            if not errors:
+                path = tmp / f"loop_rank{self.rank}.pt"
+                try:
+                    torch.save({**loop_state, "rng": rng_state()}, path)
+                    with open(path, "rb+") as f:
+                        os.fsync(f.fileno())
+                except (OSError, RuntimeError) as e:
+                    errors.append(f"{path}: {one_line(e)}")
+        finally:
+            ds.save, ds.makedirs = ds_save, ds_makedirs
+        return errors[0] if errors else None
+
+    def _checksums(self, tmp: Path) -> dict[str, str] | tuple[int, str]:
+        """Every file's CRC-32, each rank summing its share; or the first rank's failure."""
+        names = sorted(_file_sizes(tmp))
+        try:
+            mine, error = {rel: crc32_file(tmp / rel) for rel in names[self.rank::self.world]}, None
+        except OSError as e:
+            mine, error = {}, one_line(e)
+        failure = first_error(error)
+        if failure is not None:
+            return failure
+        parts = [mine]
+        if self.world > 1:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, mine)
+        return {k: v for part in parts for k, v in part.items()}
+
+    def _publish(self, tmp: Path, final: Path, step: int, sums: dict[str, str]) -> str | None:
+        """Rank 0 writes meta.json and renames the folder into place."""
+        if self.rank != 0:
+            return None
+        try:
             meta = {"step": step, "world_size": self.world, "run_id": self.run_id, "config": self.cfg.to_dict(),
-                    "files": _file_sizes(tmp)}
+                    "files": _file_sizes(tmp), "checksums": sums}
             _fsync_write(tmp / "meta.json", json.dumps(meta, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_write(self.root / "latest.tmp", name)
-            os.replace(self.root / "latest.tmp", self.root / "latest")
-            self._prune()
-        dist.barrier()
-        return final
+        except OSError as e:
+            return f"{tmp / 'meta.json'}: {one_line(e)}"
+        return None
+
+    def _all(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (so that every rank takes the same branch)."""
+        flag = torch.tensor([int(ok)])
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def space_note(self, needed: int) -> str:
+        limit = self.cfg.save_total_limit
+        keep = f"save_total_limit {limit} keeps {limit} and writes 1 more: {mib((limit + 1) * needed)}" if limit \
+            else "save_total_limit 0 keeps every one"
+        return f"a checkpoint needs about {mib(needed)}, {keep}"
+
+    def kept_note(self) -> str:
+        kept = [p.name for p in self._candidates() if self._problem(p) is None]
+        return f"kept {', '.join(kept)}" if kept else "no earlier checkpoint to keep"
+
+    def check_space(self, engine) -> None:
+        """At start-up: refuse a disk that cannot hold even one checkpoint; warn when it cannot hold the
+        save_total_limit + 1 that a save needs."""
+        if self.cfg.save_steps <= 0:
+            return
+        needed = self.last_bytes or checkpoint_bytes(engine)
+        free, _ = free_space(self.root)
+        if not self._all(free >= needed):
+            raise CheckpointError(f"output_dir: {self.cfg.output_dir} has {mib(free)} free, too little for one "
+                                  f"checkpoint ({self.space_note(needed)}): free space or choose another output_dir")
+        limit = self.cfg.save_total_limit
+        if limit and free < (limit + 1) * needed and self.rank == 0:
+            print(f"warning: output_dir {self.cfg.output_dir} has {mib(free)} free, less than the save_total_limit + 1 "
+                  f"= {limit + 1} checkpoints a save may need ({self.space_note(needed)})", file=sys.stderr)
 
     def _prune(self) -> None:
         if self.cfg.save_total_limit <= 0:
@@ -161,8 +320,9 @@ class Checkpointer:
         """The id of the run (segment) that wrote a checkpoint; None for checkpoints older than run ids."""
         return (self.meta(folder) or {}).get("run_id")
 
-    def _problem(self, folder: Path) -> str | None:
-        """Why this folder is not a complete checkpoint for this world size, or None."""
+    def _problem(self, folder: Path, verify: bool = False) -> str | None:
+        """Why this folder is not a complete checkpoint, or None. `verify` reads every file against its checksum
+        (checkpoints written before checksums were recorded are checked by size only)."""
         try:
             meta = json.loads((folder / "meta.json").read_text())
         except FileNotFoundError:
@@ -175,7 +335,14 @@ class Checkpointer:
                 return f"missing file {rel}"
             if sizes[rel] != size:
                 return f"file {rel} has {sizes[rel]} bytes, expected {size} (truncated or corrupt)"
+        for rel, crc in (meta.get("checksums", {}) if verify else {}).items():
+            if crc32_file(folder / rel) != crc:
+                return f"file {rel} does not match its checksum (corrupt)"
         return None
+
+    def verify(self, folder: Path) -> str | None:
+        """Why `folder` is not a complete, uncorrupted checkpoint (every file read against its checksum), or None."""
+        return self._problem(folder, verify=True)
 
     def find(self, lineage: list[dict] | None = None) -> Path | None:
         """The checkpoint to resume from per `resume_from_checkpoint` (auto | PATH | null); `auto` takes the
@@ -185,12 +352,12 @@ class Checkpointer:
             return None
         if spec != "auto":
             folder = Path(spec)
-            problem = "not a folder" if not folder.is_dir() else self._problem(folder)
+            problem = "not a folder" if not folder.is_dir() else self._problem(folder, verify=True)
             if problem:
                 raise CheckpointError(f"resume_from_checkpoint: {spec}: {problem}")
             return folder
         for folder in self._candidates(lineage):
-            problem = self._problem(folder)
+            problem = self._problem(folder, verify=True)
             if problem is None:
                 return folder
             if self.rank == 0:
@@ -220,4 +387,5 @@ class Checkpointer:
             raise CheckpointError(f"DeepSpeed could not load {folder / 'ds'}")
         state = safe_load(folder / f"loop_rank{self.rank}.pt")
         set_rng_state(state.pop("rng"))
+        self.last_bytes = sum(json.loads((folder / "meta.json").read_text())["files"].values())
         return state

@@ -69,6 +69,22 @@ def all_reduce_named(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def first_error(error: str | None) -> tuple[int, str] | None:
+    """(rank, message) of the lowest rank that reports an error, the same on every rank; None when none does.
+    Every rank must call it: a rank that failed must not just leave (the others would hang in their next
+    collective, or lose the reason). One tiny all-reduce; the messages are gathered only after a failure."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world == 1:
+        return None if error is None else (0, error)
+    flag = torch.tensor([float(error is not None)])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if not flag.item():
+        return None
+    errors = [None] * world
+    torch.distributed.all_gather_object(errors, error)
+    return next((r, e) for r, e in enumerate(errors) if e is not None)
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -227,6 +243,16 @@ def gathered_for_generation(engine):
             offload.setup_zero_stage3_hooks()
 
 
+def follow_umask(folder: Path) -> None:
+    """Give every file and folder under `folder` the mode the user's umask asks for: safetensors writes its
+    weights 0600, everything else follows the umask, and a folder with mixed modes surprises whoever shares it."""
+    umask = os.umask(0)  # reading the umask means setting it; put it straight back
+    os.umask(umask)
+    for p in [folder, *folder.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 def save_hf_model(engine, tokenizer, out_dir: Path, rank: int, save_merged: bool = False) -> None:
     """Gather the ZeRO-3 weights layer by layer onto rank 0 and write an HF folder atomically.
 
@@ -254,6 +280,7 @@ def _write_atomically(out_dir: Path, write) -> None:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
+    follow_umask(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)

@@ -33,3 +33,32 @@ def tiny_model_dir() -> Path:
     from recipe.tiny import ensure_builtin
 
     return ensure_builtin("builtin:tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def hub_run(tmp_path_factory, tiny_model_dir):
+    """One short real run (1 rank, a checkpoint per step) of a hub model that is only in the hub cache, with the
+    hub unreachable, under umask 027. Returns (workspace, the run's extra arguments, its environment)."""
+    import os
+    import shutil
+    import socket
+
+    ws = tmp_path_factory.mktemp("hub_run")
+    snap = ws / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model_dir, snap)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0" * 40)
+    with socket.socket() as s:  # a port nothing listens on: the hub refuses at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HF_HUB_CACHE": str(ws / "hub"), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    args = ["--config", str(REPO / "recipe/configs/quickstart.yaml"), "--max_steps", "2",
+            "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+            "--disable_tqdm", "true", "--num_iterations", "1", "--model_name_or_path", "org/tiny",
+            "--save_steps", "1", "--save_total_limit", "0"]
+    full_env = {k: v for k, v in rank_env(**env).items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    proc = subprocess.run([sys.executable, "-m", "recipe.train", *args, "--output_dir", str(ws / "run")], cwd=ws,
+                          env=full_env, capture_output=True, text=True, timeout=900,
+                          preexec_fn=lambda: os.umask(0o027))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return ws, args, full_env, proc.stderr

@@ -145,6 +145,48 @@ def test_explicit_path_must_be_complete(tmp_path):
     assert Checkpointer(cfg, 0, 1).find() is None  # nothing saved yet: a fresh start
 
 
+def manifest_checkpoint(folder, step):
+    """A checkpoint folder with a manifest as Checkpointer.save writes it (contents do not matter to find())."""
+    import json
+
+    from recipe.checkpoint import _file_sizes, crc32_file
+
+    (folder / "ds").mkdir(parents=True)
+    (folder / "ds" / "shard.pt").write_bytes(bytes(range(256)) * 32)
+    sizes = _file_sizes(folder)
+    (folder / "meta.json").write_text(json.dumps({"step": step, "world_size": 1, "config": {}, "files": sizes,
+                                                 "checksums": {r: crc32_file(folder / r) for r in sizes}}))
+
+
+def test_a_checkpoint_corrupted_in_place_is_skipped_for_the_previous_one(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    for step in (3, 6):
+        manifest_checkpoint(root / f"step-{step:08d}", step)
+    shard = root / "step-00000006" / "ds" / "shard.pt"
+    data = bytearray(shard.read_bytes())
+    data[7] ^= 0x10  # same size: only the checksum tells
+    shard.write_bytes(bytes(data))
+    cfg = Config(output_dir=str(tmp_path), resume_from_checkpoint="auto")
+    assert Checkpointer(cfg, 0, 1).find() == root / "step-00000003"
+    assert f"warning: skipping checkpoint {root / 'step-00000006'}: file ds/shard.pt does not match its checksum" \
+        in capsys.readouterr().err
+    cfg.resume_from_checkpoint = str(root / "step-00000006")
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        Checkpointer(cfg, 0, 1).find()
+
+
+def test_a_save_that_cannot_fit_writes_nothing_and_keeps_the_others(tmp_path):
+    manifest_checkpoint(tmp_path / "checkpoints" / "step-00000003", 3)
+    ck = Checkpointer(Config(output_dir=str(tmp_path), save_total_limit=2), 0, 1)
+    ck.last_bytes = 1 << 60  # the last checkpoint's size: no disk has that free
+    with pytest.raises(CheckpointError) as e:
+        ck.save(engine=None, step=6, loop_state={})  # refused before the engine is asked for anything
+    assert str(e.value).startswith(f"checkpoint {tmp_path / 'checkpoints' / 'step-00000006'}: not enough disk space")
+    assert "save_total_limit 2 keeps 2 and writes 1 more" in str(e.value)
+    assert str(e.value).endswith("nothing written, kept step-00000003")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000003"]
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))
