@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -24,7 +25,7 @@ from recipe.buffer import RolloutBuffer
 from recipe.checkpoint import CheckpointError, Checkpointer
 from recipe.config import Config, ConfigError, HelpRequested, load_config
 from recipe.config_help import help_text
-from recipe.data import DataError, PromptStream, load_prompt_dataset
+from recipe.data import DataError, PromptStream, check_prompts, load_prompt_dataset, uses_chat_template
 from recipe.generation import Generator, build_generator
 from recipe.generation.vllm import VLLMUnavailable
 from recipe.launch import PREEMPTED_EXIT_CODE
@@ -33,7 +34,7 @@ from recipe.metrics import MetricsLogger, Timer, read_jsonl, reward_quarters
 from recipe.preflight import preflight
 from recipe.reuse import ReuseController
 from recipe.rewards import RewardError, RewardFunc, check_answer_columns, load_reward_funcs, score
-from recipe.update import StepResult, train_on_rollout
+from recipe.update import NonFiniteError, StepResult, check_finite, train_on_rollout
 
 # the Timer's phases, logged as time_<phase>_s (forward, backward, optimizer: parts of train)
 TIMED = ("sync", "generate", "score", "old_logp", "train", "forward", "backward", "optimizer")
@@ -66,6 +67,7 @@ class LoopState:
     reuse: dict | None = None  # the adaptive-reuse controller's state
     old_logp_forwards: int = 0  # cumulative, logged with every step
     prompts_truncated: int = 0  # cumulative, logged with every step
+    nonfinite_steps: int = 0  # steps skipped for a non-finite loss or gradient norm, logged with every step
 
     def next_rollout(self) -> None:
         self.rollout, self.position, self.buffer, self.stats = self.rollout + 1, None, None, None
@@ -77,11 +79,19 @@ class LoopState:
     @classmethod
     def from_state_dict(cls, state: dict) -> "LoopState":
         buffer = None if state["buffer"] is None else RolloutBuffer.from_state_dict(state["buffer"])
-        return cls(**{f.name: state[f.name] for f in fields(cls)} | {"buffer": buffer})
+        # a field added after the checkpoint was written keeps its default
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state} | {"buffer": buffer})
 
 
 def setup(cfg: Config) -> tuple[Run, LoopState]:
     """Build every component from the config, cheapest and most likely to fail first; the loop's starting state."""
+    # the data first, every prompt checked: bad data costs one line before any process group or model
+    path = eng.model_path(cfg)
+    tokenizer = eng.load_tokenizer(path)
+    dataset = load_prompt_dataset(cfg)
+    check_prompts(dataset, cfg, uses_chat_template(tokenizer, cfg))
+    rewards = load_reward_funcs(cfg.reward_funcs)
+    check_answer_columns(rewards, dataset.column_names)
     rank, world = eng.init_distributed(cfg.collective_timeout_s)
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
@@ -92,11 +102,7 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     checkpointer.run_id, checkpointer.lineage, resume_from = claim.run_id, claim.lineage, claim.resume_from
     if resume_from is not None:
         checkpointer.check_config(resume_from)  # before any model is loaded
-    path = eng.model_path(cfg)
-    tokenizer = eng.load_tokenizer(path)
-    stream = PromptStream(load_prompt_dataset(cfg), tokenizer, cfg, rank, world)
-    rewards = load_reward_funcs(cfg.reward_funcs)
-    check_answer_columns(rewards, stream.ds.column_names)  # before the model loads
+    stream = PromptStream(dataset, tokenizer, cfg, rank, world)
     model = eng.load_model(path, cfg)
     engine = eng.init_engine(model, cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0.0 else None
@@ -107,6 +113,7 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
         generator.sync(engine)
         if rank == 0:
             print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
+    checkpointer.check_space(engine)  # before training: a disk too small for one checkpoint
     checkpointer.install_signal_handlers()
     run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator,
               checkpointer, lock)
@@ -133,12 +140,30 @@ def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_pro
             **{f"reward/{k}": sums[f"reward/{k}"] / max(sums[f"applies/{k}"], 1.0) for k in per_func}}
 
 
+def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
+    """This rank's completions. A failure on any rank stops every rank with one message (none is left waiting
+    in a collective); sampling from NaN probabilities means the last update broke the weights."""
+    seed = (run.cfg.seed + (rollout * run.world + run.rank) * 1000) % 2**31
+    try:
+        comp, error = run.generator.generate(prompt_ids, seed=seed), None
+    except RuntimeError as e:
+        comp, error = None, " ".join(str(e).split())
+    failure = eng.first_error(error)
+    if failure is not None:
+        where = f"generation of rollout {rollout} failed (rank {failure[0]}): {failure[1]}"
+        if re.search(r"\b(nan|inf)\b", failure[1], re.IGNORECASE):
+            raise NonFiniteError(f"{where}: the policy is no longer finite after the last update; resume from an "
+                                 "earlier checkpoint with a lower learning_rate")
+        raise RuntimeError(where)
+    return comp
+
+
 def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict]:
     """Generate this rank's groups, score them, and fill the rank-local buffer with their advantages."""
     cfg, G = run.cfg, run.cfg.num_generations
     batch = run.stream.batch(rollout)
     with timer("generate"):
-        comp = run.generator.generate(batch.prompt_ids, seed=(cfg.seed + (rollout * run.world + run.rank) * 1000) % 2**31)
+        comp = generate(run, batch.prompt_ids, rollout)
     # a bad reward on any rank stops every rank with that rank's message
     rows, error = batch.repeat(G), None
     with timer("score"):
@@ -147,8 +172,9 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
         except RewardError as e:
             error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in run.rewards}
     stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
-    if stats.pop("failed_ranks"):
-        raise error or RewardError(f"a reward function failed on another rank in rollout {rollout}")
+    if stats.pop("failed_ranks"):  # every rank names the function that failed, wherever it ran
+        failed_rank, message = eng.first_error(None if error is None else str(error))
+        raise RewardError(message if failed_rank == run.rank else f"{message} (on rank {failed_rank})")
     # every group lives on this rank; scale_rewards: batch divides by the std over all ranks (as TRL does)
     advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std=stats["reward_std"])
     mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
@@ -162,8 +188,8 @@ def step_record(run: Run, state: LoopState, done: StepResult, timer: Timer, step
     return {"step": state.step, "generation": state.rollout, "iteration": done.pass_index,
             "passes_used": done.pass_index + 1, **done.stats, **state.stats,
             "prompts_truncated": state.prompts_truncated, "old_logp_forwards": state.old_logp_forwards,
-            "weight_syncs": run.generator.syncs, **timer.pop(*TIMED), "step_time_s": step_time_s,
-            "tokens_per_s": done.stats["train_tokens"] / step_time_s}
+            "nonfinite_steps": state.nonfinite_steps, "weight_syncs": run.generator.syncs, **timer.pop(*TIMED),
+            "step_time_s": step_time_s, "tokens_per_s": done.stats["train_tokens"] / step_time_s}
 
 
 def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
@@ -181,10 +207,12 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             state.buffer, state.stats = collect_rollout(run, state.rollout, timer)
             state.prompts_truncated += state.stats.pop("prompts_truncated")
         for done in train_on_rollout(run.engine, run.ref, state.buffer, cfg, after=state.position, timer=timer):
+            state.step += 1
+            # a non-finite loss or gradient norm: stop, or (skip_nonfinite_steps) count a step DeepSpeed skipped
+            state.nonfinite_steps += check_finite(done, state.step, state.nonfinite_steps, cfg.skip_nonfinite_steps)
             # adaptive reuse: after a finished pass, maybe skip the rest of this rollout
             reuse.observe(done.stats)
             skip_rest = reuse.enabled and done.last_in_pass and reuse.pass_done()
-            state.step += 1
             state.old_logp_forwards += done.old_logp_forwards
             last_step = (cfg.num_iterations - 1, cfg.optimizer_steps_per_pass - 1)  # skipped passes count as done
             state.position = last_step if skip_rest else (done.pass_index, done.step_index)
@@ -230,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         records, preempted = train(run, state)
     except RewardError as e:  # a user's function misbehaved: say which, on every rank, without a traceback
         print(f"reward error (rank {run.rank}): {e}", file=sys.stderr)
+        return 1
+    except (CheckpointError, NonFiniteError) as e:  # every rank agreed on it; the earlier checkpoints are intact
+        print(f"error (rank {run.rank}): {e}", file=sys.stderr)
         return 1
     final = Path(cfg.output_dir) / "final"
     if not preempted:

@@ -4,6 +4,7 @@ all train through it.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,6 +29,29 @@ class StepResult:
     last_in_pass: bool
     stats: dict  # over all ranks: loss, clip ratios, ratio_mean, approx_kl, train_tokens, [kl, is_ratio_*, grad_norm]
     old_logp_forwards: int  # no-grad micro-batch forwards spent on old log-probs just before this step
+    applied: bool = True  # whether DeepSpeed updated the weights (it skips a step whose gradient norm is not finite)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm stopped being finite; the message names the step."""
+
+
+def check_finite(done: StepResult, step: int, skipped: int, allowed: int) -> bool:
+    """Whether optimizer step `step` was non-finite and skipped (counted by the caller; `skipped` so far).
+    Raises NonFiniteError when the run must stop: more such steps than `allowed`, or one whose update DeepSpeed
+    applied anyway. The stats are all-reduced, so every rank decides the same."""
+    bad = [f"{k} = {done.stats[k]}" for k in ("loss", "grad_norm") if k in done.stats
+           and not math.isfinite(done.stats[k])]
+    if not bad:
+        return False
+    where = f"optimizer step {step} (rollout pass {done.pass_index}, step {done.step_index} of the pass)"
+    if done.applied:
+        raise NonFiniteError(f"{' and '.join(bad)} at {where}, and the update was applied: the weights may be "
+                             "broken; resume from the last checkpoint with a lower learning_rate")
+    if skipped >= allowed:
+        raise NonFiniteError(f"{' and '.join(bad)} at {where}: {skipped + 1} non-finite step(s), skip_nonfinite_steps "
+                             f"allows {allowed}; the update was not applied and nothing was saved after it")
+    return True
 
 
 def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
@@ -72,7 +96,7 @@ def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[
                 # log-probs are that step's own forward, captured for the later passes.
                 stats = optimizer_step(engine, ref, buf, micro_batches, norms[p, s].item(), cfg,
                                        capture_old_logps=cfg.needs_old_logps and (p, s) == (0, 0), timer=timer)
-            yield StepResult(p, s, s == len(steps) - 1, stats, forwards)
+            yield StepResult(p, s, s == len(steps) - 1, stats, forwards, applied=engine.was_step_applied())
             forwards = 0
 
 

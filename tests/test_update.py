@@ -155,3 +155,19 @@ def test_mu1_never_computes_or_stores_old_logps(tmp_path):
     assert got["mu1"]["old_logp_forwards"] == 0
     assert got["mu1"]["stores"].sum().item() == 0
     assert torch.isnan(got["mu1"]["old_logps"]).all()
+
+
+def test_non_finite_steps_are_skipped_within_the_allowance_then_stop():
+    from recipe.update import NonFiniteError, StepResult, check_finite
+
+    ok = StepResult(0, 0, True, {"loss": 0.1, "grad_norm": 1.0}, 0, applied=True)
+    skipped = StepResult(1, 0, True, {"loss": float("nan"), "grad_norm": float("inf")}, 0, applied=False)
+    assert not check_finite(ok, 5, skipped=0, allowed=0)
+    assert check_finite(skipped, 5, skipped=0, allowed=1)  # DeepSpeed did not apply it: one skip allowed
+    with pytest.raises(NonFiniteError, match=r"loss = nan and grad_norm = inf at optimizer step 6 \(rollout pass 1, "
+                                             r"step 0 of the pass\): 2 non-finite step\(s\), skip_nonfinite_steps "
+                                             r"allows 1"):
+        check_finite(skipped, 6, skipped=1, allowed=1)
+    applied = StepResult(0, 0, True, {"loss": float("inf")}, 0, applied=True)
+    with pytest.raises(NonFiniteError, match="the update was applied: the weights may be broken"):
+        check_finite(applied, 7, skipped=0, allowed=5)  # cannot be skipped: stop whatever the allowance
