@@ -79,15 +79,26 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
 
 
+def min_checkpoint_bytes(trained: int, frozen_bytes: int, adam: bool, zero_partitions_grads: bool) -> int:
+    """At least what one checkpoint holds: the fp32 copy of every trained parameter, with Adam its two moments,
+    and under ZeRO-2/3 the frozen weights (the loop's state and small records come on top)."""
+    return trained * (12 if adam else 4) + (frozen_bytes if zero_partitions_grads else 0)
+
+
 def checkpoint_bytes(engine) -> int:
-    """At least what one checkpoint of this engine holds: the fp32 copy of every trained parameter, with Adam
-    its two moments, and under ZeRO-2/3 the frozen weights (the loop's state and small records come on top)."""
     params = list(engine.module.parameters())
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 -- ZeRO-3 leaves an empty tensor in place
-    trained = sum(numel(p) for p in params if p.requires_grad)
-    frozen = sum(numel(p) * p.element_size() for p in params if not p.requires_grad)
-    per_param = 12 if "adam" in str(engine.optimizer_name() or "").lower() else 4
-    return trained * per_param + (frozen if engine.zero_optimization_partition_gradients() else 0)
+    return min_checkpoint_bytes(sum(numel(p) for p in params if p.requires_grad),
+                                sum(numel(p) * p.element_size() for p in params if not p.requires_grad),
+                                "adam" in str(engine.optimizer_name() or "").lower(),
+                                engine.zero_optimization_partition_gradients())
+
+
+def space_note(save_total_limit: int, needed: int) -> str:
+    """How much room checkpoints take: a save writes one more while the save_total_limit older ones stand."""
+    keep = f"save_total_limit {save_total_limit} keeps {save_total_limit} and writes 1 more: " \
+           f"{mib((save_total_limit + 1) * needed)}" if save_total_limit else "save_total_limit 0 keeps every one"
+    return f"a checkpoint needs about {mib(needed)}, {keep}"
 
 
 def rng_state() -> dict:
@@ -158,7 +169,7 @@ class Checkpointer:
         free, _ = free_space(self.root)
         if not self._all(free >= needed):
             raise CheckpointError(f"checkpoint {final}: not enough disk space ({mib(free)} free on that filesystem; "
-                                  f"{self.space_note(needed)}); nothing written, {self.kept_note()}")
+                                  f"{space_note(self.cfg.save_total_limit, needed)}); nothing written, {self.kept_note()}")
         failure = first_error(self._write(engine, tmp, loop_state))
         if failure is None:
             sums = self._checksums(tmp)  # every rank has written: sum the files in parallel
@@ -172,7 +183,7 @@ class Checkpointer:
                 if free < needed or inodes == 0 or "No space left" in failure[1] else "a write failed"
             raise CheckpointError(f"checkpoint {tmp} could not be written: {full} ({mib(free)} free; rank "
                                   f"{failure[0]}: {failure[1]}); removed it, {self.kept_note()}; "
-                                  f"{self.space_note(needed)}")
+                                  f"{space_note(self.cfg.save_total_limit, needed)}")
         self.last_bytes = sum(_file_sizes(final).values())
         if self.rank == 0:
             try:
@@ -264,30 +275,9 @@ class Checkpointer:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def space_note(self, needed: int) -> str:
-        limit = self.cfg.save_total_limit
-        keep = f"save_total_limit {limit} keeps {limit} and writes 1 more: {mib((limit + 1) * needed)}" if limit \
-            else "save_total_limit 0 keeps every one"
-        return f"a checkpoint needs about {mib(needed)}, {keep}"
-
     def kept_note(self) -> str:
         kept = [p.name for p in self._candidates() if self._problem(p) is None]
         return f"kept {', '.join(kept)}" if kept else "no earlier checkpoint to keep"
-
-    def check_space(self, engine) -> None:
-        """At start-up: refuse a disk that cannot hold even one checkpoint; warn when it cannot hold the
-        save_total_limit + 1 that a save needs."""
-        if self.cfg.save_steps <= 0:
-            return
-        needed = self.last_bytes or checkpoint_bytes(engine)
-        free, _ = free_space(self.root)
-        if not self._all(free >= needed):
-            raise CheckpointError(f"output_dir: {self.cfg.output_dir} has {mib(free)} free, too little for one "
-                                  f"checkpoint ({self.space_note(needed)}): free space or choose another output_dir")
-        limit = self.cfg.save_total_limit
-        if limit and free < (limit + 1) * needed and self.rank == 0:
-            print(f"warning: output_dir {self.cfg.output_dir} has {mib(free)} free, less than the save_total_limit + 1 "
-                  f"= {limit + 1} checkpoints a save may need ({self.space_note(needed)})", file=sys.stderr)
 
     def _prune(self) -> None:
         if self.cfg.save_total_limit <= 0:

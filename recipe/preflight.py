@@ -7,6 +7,8 @@ reachable), can the output folder be written, can vLLM serve the model here, do 
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 import tempfile
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from recipe.checkpoint import free_space, mib, min_checkpoint_bytes, space_note
 from recipe.config import Config, ConfigError, looks_like_file, need, resolve_path
 from recipe.generation.vllm import VLLMUnavailable, check_adapter_mode, check_available
 from recipe.rewards import RewardError, load_reward_funcs
@@ -32,6 +35,7 @@ def preflight(cfg: Config) -> None:
         need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
     check_output_dir(cfg.output_dir)
     folder = model_folder(cfg.model_name_or_path)
+    check_disk_space(cfg, folder)
     if cfg.generation_backend == "vllm":
         check_vllm(cfg, folder)
     try:
@@ -54,6 +58,42 @@ def check_output_dir(output_dir: str) -> None:
             pass
     except OSError as e:
         raise ConfigError(f"output_dir: cannot write in {probe}: {e.strerror}") from None
+
+
+def check_disk_space(cfg: Config, folder: Path | None) -> None:
+    """A disk that cannot hold one checkpoint would fail at the first save, hours in: refuse it now, and warn
+    when it cannot hold the save_total_limit + 1 that a save needs. Sizes from the weights' headers; a model
+    still to be downloaded is checked at its first save."""
+    params = weight_count(folder) if folder is not None and cfg.save_steps > 0 else 0
+    if not params:
+        return
+    try:
+        ds = json.loads(resolve_path(cfg.deepspeed_config).read_text())
+        adam = "adam" in str(ds.get("optimizer", {}).get("type", "")).lower()
+        partitioned = ds.get("zero_optimization", {}).get("stage", 0) >= 2
+    except (OSError, ValueError, AttributeError):
+        return  # DeepSpeed says what is wrong with it
+    # with LoRA the adapter is small, the frozen base (fp32) is what ZeRO-2/3 checkpoints hold
+    needed = min_checkpoint_bytes(0 if cfg.use_peft else params, 4 * params if cfg.use_peft else 0, adam, partitioned)
+    free, _ = free_space(Path(cfg.output_dir).expanduser())
+    limit = cfg.save_total_limit
+    need(free >= needed, f"output_dir: {cfg.output_dir} has {mib(free)} free, too little for one checkpoint "
+                         f"({space_note(limit, needed)}): free space or choose another output_dir")
+    if limit and free < (limit + 1) * needed and os.environ.get("RANK", "0") == "0":
+        print(f"warning: output_dir {cfg.output_dir} has {mib(free)} free, less than the save_total_limit + 1 = "
+              f"{limit + 1} checkpoints a save may need ({space_note(limit, needed)})", file=sys.stderr)
+
+
+def weight_count(folder: Path) -> int:
+    """Parameters in a model folder's safetensors files (headers only; 0 when it has none)."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                count += math.prod(f.get_slice(key).get_shape())
+    return count
 
 
 def model_folder(model: str) -> Path | None:

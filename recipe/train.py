@@ -113,7 +113,6 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
         generator.sync(engine)
         if rank == 0:
             print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
-    checkpointer.check_space(engine)  # before training: a disk too small for one checkpoint
     checkpointer.install_signal_handlers()
     run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator,
               checkpointer, lock)

@@ -91,10 +91,6 @@ def skipped_then_stopped(out: Path) -> None:
     assert [r["nonfinite_steps"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1]  # step 2 skipped, logged
 
 
-def nothing_written(out: Path) -> None:
-    assert not out.exists()
-
-
 @contextlib.contextmanager
 def tmpfs(path: Path, options: str):
     """A small real filesystem (root only), unmounted afterwards."""
@@ -178,6 +174,9 @@ CASES = [
                                                                      "/ro"]),
     Case("output_dir_is_a_file", ["--output_dir", "{ws}/notes.txt"], 2,
          ["config error: output_dir:", "notes.txt is a file"], files={"notes.txt": "my notes\n"}),
+    Case("disk_too_small_for_one_checkpoint", ["--save_steps", "1"], 2,
+         ["config error: output_dir:", "has 2.0 MiB free, too little for one checkpoint", "a checkpoint needs about"],
+         disk="size=2m"),
     Case("negative_seed", ["--seed", "-1"], 2, ["config error: seed: must be in [0,", "got -1"]),
     # --- the data ------------------------------------------------------------------------------------
     Case("empty_prompt_string", ["--dataset_name", "{ws}/p.jsonl"], 2,
@@ -199,9 +198,6 @@ CASES = [
     Case("misspelled_builtin_reward_kwarg", ["--reward_funcs", "[{func: length, kwargs: {target_char: 50}}]"], 2,
          ["config error: reward_funcs: 'length' has no argument 'target_char'", "did you mean 'target_chars'"]),
     # --- during the run (exit 1): the earlier checkpoints stay -----------------------------------------
-    Case("disk_too_small_for_one_checkpoint", ["--save_steps", "1"], 2,
-         ["error: output_dir:", "too little for one checkpoint", "a checkpoint needs about"], ranks=1,
-         disk="size=2m", after=nothing_written),
     Case("disk_fills_during_first_checkpoint", ["--save_steps", "1", "--reward_funcs", fill(1, first_save_room)], 1,
          ["error (rank 0): checkpoint", ".tmp-step-00000001 could not be written: the disk is full", "removed it",
           "no earlier checkpoint to keep", "a checkpoint needs about"], ranks=1, disk="size=24m",

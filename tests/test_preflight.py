@@ -77,3 +77,12 @@ def test_output_dir_must_be_a_folder_that_takes_files(tmp_path):
         check_output_dir(str(tmp_path / "f"))
     with pytest.raises(ConfigError, match="output_dir: cannot create .*/f/run: .*/f is a file"):
         check_output_dir(str(tmp_path / "f" / "run"))
+
+
+def test_weight_count_reads_the_headers_only(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from recipe.preflight import weight_count
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert weight_count(tiny_model_dir) == sum(p.numel() for p in model.parameters())  # tied weights once
