@@ -59,3 +59,24 @@ def test_export_help_runs_without_a_checkpoint():
     proc = subprocess.run([sys.executable, "-m", "recipe.export", "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "weights_only=True" in proc.stdout
+
+
+@pytest.mark.slow
+def test_export_of_a_lora_checkpoint_gives_the_adapter_and_the_merged_model(tmp_path):
+    from safetensors.torch import load_file
+
+    from recipe.launch import rank_env
+
+    run = tmp_path / "run"
+    train = subprocess.run([sys.executable, "-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml",
+                            "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
+                            "--max_completion_length", "8", "--disable_tqdm", "true", "--use_peft", "true",
+                            "--learning_rate", "0.02", "--save_steps", "1", "--save_merged", "true",
+                            "--output_dir", str(run)], cwd=REPO, env=rank_env(), capture_output=True, text=True,
+                           timeout=600)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert main([str(run / "checkpoints" / "step-00000001"), str(tmp_path / "hf"), "--merged"]) == 0
+    for exported, final in (("hf", "final"), ("hf-merged", "final-merged")):
+        name = "adapter_model.safetensors" if exported == "hf" else "model.safetensors"
+        a, b = load_file(tmp_path / exported / name), load_file(run / final / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), exported
