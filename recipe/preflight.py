@@ -148,6 +148,17 @@ def hub_unreachable(endpoint: str) -> str | None:
     return result[0] if result else f"no answer within {HUB_PROBE_S:.0f} s"
 
 
+def on_hub(name: str, endpoint: str) -> bool:
+    """Whether the hub has this model (its config.json). A mistyped name would otherwise fail inside
+    transformers with a traceback; an answer that says neither yes nor no counts as yes (transformers tells)."""
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi(endpoint=endpoint).file_exists(name, "config.json")
+    except Exception:  # noqa: BLE001 -- gated, a server or network error: not a "no"
+        return True
+
+
 def go_offline() -> None:
     """Make this process's hub clients use the cache only (read from the environment at import; set on the
     module too when it is already imported)."""
@@ -176,10 +187,16 @@ def hub_snapshot(name: str) -> Path | None:
             go_offline()
         return Path(cached).parent
     if not offline and why is None:
-        return None  # transformers downloads it
+        if on_hub(name, endpoint):
+            return None  # transformers downloads it
+        why = "not found"
     parent = name.split("/")[0]
     if "/" in name and resolve_path(parent).is_dir():  # out/finl with a folder out/ here: a mistyped path
-        raise ConfigError(f"model_name_or_path: no such folder: {name} (and no hub model of that name is cached)")
+        where = "exists" if why == "not found" else "is cached"
+        raise ConfigError(f"model_name_or_path: no such folder: {name} (and no hub model of that name {where})")
+    if why == "not found":
+        raise ConfigError(f"model_name_or_path: {name} is neither a local folder nor a model on {endpoint} "
+                          "(a private one needs `hf auth login` or HF_TOKEN)")
     reason = "offline mode is on (HF_HUB_OFFLINE)" if offline else f"{endpoint} is unreachable ({why})"
     raise ConfigError(f"model_name_or_path: {name} is neither a local folder nor in the hub cache ({hub_cache()}), "
                       f"and {reason}: download it first or give a local folder")

@@ -86,3 +86,35 @@ def test_weight_count_reads_the_headers_only(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert weight_count(tiny_model_dir) == sum(p.numel() for p in model.parameters())  # tied weights once
+
+
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """A hub that has org/real (a config.json of 2 bytes) and nothing else."""
+    def do_HEAD(self):  # noqa: N802
+        found = self.path.startswith("/org/real/resolve/main/config.json")
+        self.send_response(200 if found else 404)
+        if found:
+            for k, v in {"ETag": '"e"', "X-Repo-Commit": "0" * 40, "Content-Length": "2"}.items():
+                self.send_header(k, v)
+        else:
+            self.send_header("X-Error-Code", "RepoNotFound")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_name_the_reachable_hub_does_not_have_is_one_line(hub, monkeypatch):
+    server = http.server.HTTPServer(("127.0.0.1", 0), FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    try:
+        assert model_folder("org/real") is None  # on the hub: transformers downloads it
+        with pytest.raises(ConfigError, match=r"model_name_or_path: org/mistyped is neither a local folder nor a "
+                                              r"model on http://127\.0\.0\.1:\d+ \(a private one needs"):
+            model_folder("org/mistyped")
+        (hub.parents[3] / "runs").mkdir()
+        with pytest.raises(ConfigError, match=r"no such folder: runs/finl \(and no hub model of that name exists"):
+            model_folder("runs/finl")
+    finally:
+        server.shutdown()
