@@ -155,8 +155,17 @@ def check_prompts(ds, cfg: Config, chat: bool) -> None:
                 raise DataError(f"prompt_column: row {i} of {name} has no {column!r} (null); every row needs a prompt")
             if isinstance(prompt, str) and not prompt.strip():
                 raise DataError(f"prompt_column: row {i} of {name} has an empty {column!r}")
+            if not isinstance(prompt, (str, list)):  # str() would train on "{'text': ...}" or "5"
+                raise DataError(f"prompt_column: row {i} of {name} has a {column!r} of type {type(prompt).__name__} "
+                                f"({str(prompt)[:60]!r}); a prompt is text or a list of chat messages")
             if isinstance(prompt, list) and not prompt:
                 raise DataError(f"prompt_column: row {i} of {name} has an empty list of chat messages")
+            messages = prompt if isinstance(prompt, list) else []
+            bad = [m for m in messages if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                                               and m.get("content") is not None)]
+            if bad:
+                raise DataError(f"prompt_column: row {i} of {name} has a chat message without a 'role' and "
+                                f"'content': {str(bad[0])[:60]!r}")
             if isinstance(prompt, list) and not chat:
                 why = "chat_template: false" if str(cfg.chat_template).lower() == "false" else \
                     f"the tokenizer of {cfg.model_name_or_path} has no chat template"

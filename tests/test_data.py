@@ -208,6 +208,13 @@ def test_data_errors_name_the_field_or_column(tmp_path, tok):
     ([{"prompt": "a"}, {"prompt": "b"}, {"prompt": ""}], False, "row 2 of .* has an empty 'prompt'"),
     ([{"prompt": " \n\t"}], False, "row 0 of .* has an empty 'prompt'"),
     ([{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": []}], True, "row 1 of .* empty list of chat messages"),
+    ([{"prompt": "a"}, {"prompt": {"text": "b"}}], False, "row 1 of .* has a 'prompt' of type dict \\(\"{'text': 'b'}\"\\); "
+                                                          "a prompt is text or a list of chat messages"),
+    ([{"prompt": 7}], False, "row 0 of .* has a 'prompt' of type int \\('7'\\)"),
+    ([{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"role": "user"}]}], True,
+     "row 1 of .* has a chat message without a 'role' and 'content'"),
+    ([{"prompt": [None]}], True, "row 0 of .* has a chat message without a 'role' and 'content': 'None'"),
+    ([{"prompt": ["hi", "there"]}], True, "row 0 of .* has a chat message without a 'role' and 'content': 'hi'"),
     ([{"prompt": [{"role": "user", "content": "hi"}]}], None, "row 0 of .* holds chat messages, but the tokenizer "
                                                               "of .* has no chat template"),
 ])
