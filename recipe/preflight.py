@@ -105,8 +105,28 @@ def model_folder(model: str) -> Path | None:
     if model.startswith((".", "/", "~")) or resolve_path(model).exists():
         folder = resolve_path(os.path.expanduser(model))
         need(folder.is_dir(), f"model_name_or_path: folder not found: {model}")
+        check_model_folder(folder, model)
         return folder
     return hub_snapshot(model)
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_model_folder(folder: Path, model: str) -> None:
+    """A local folder holds a model: config, weights and tokenizer files. (From a folder without tokenizer files
+    transformers builds a tokenizer of one token, silently; a missing config or weights fails after start-up.)"""
+    if (folder / "meta.json").is_file() and (folder / "ds").is_dir():
+        raise ConfigError(f"model_name_or_path: {model} is a recipe checkpoint, not a model folder: "
+                          f"python -m recipe.export {model} OUT makes one")
+    if (folder / "final" / "config.json").is_file():
+        raise ConfigError(f"model_name_or_path: {model} is a run's output folder: did you mean {folder / 'final'}?")
+    has = {"config.json": (folder / "config.json").is_file(),
+           "weights (*.safetensors, pytorch_model*.bin)": any(folder.glob("*.safetensors")) or
+           any(folder.glob("pytorch_model*.bin")),
+           f"tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)": any((folder / f).is_file() for f in TOKENIZER_FILES)}
+    missing = [what for what, ok in has.items() if not ok]
+    need(not missing, f"model_name_or_path: {model} is not a model folder: it has no {' and no '.join(missing)}")
 
 
 # ------------------------------------------------------------------------------------------

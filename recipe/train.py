@@ -87,7 +87,11 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     """Build every component from the config, cheapest and most likely to fail first; the loop's starting state."""
     # the data first, every prompt checked: bad data costs one line before any process group or model
     path = eng.model_path(cfg)
-    tokenizer = eng.load_tokenizer(path)
+    try:
+        tokenizer = eng.load_tokenizer(path)
+    except (OSError, ValueError) as e:  # e.g. no EOS token, or files transformers cannot read
+        raise ConfigError(f"model_name_or_path: no usable tokenizer in {path}: {' '.join(str(e).split())[:300]}") \
+            from None
     dataset = load_prompt_dataset(cfg)
     check_prompts(dataset, cfg, uses_chat_template(tokenizer, cfg))
     rewards = load_reward_funcs(cfg.reward_funcs)
@@ -250,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run, state = setup(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except (DataError, CheckpointError, VLLMUnavailable, RewardError, outdir.OutputDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -91,6 +91,17 @@ def skipped_then_stopped(out: Path) -> None:
     assert [r["nonfinite_steps"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1]  # step 2 skipped, logged
 
 
+def tokenizer_without_eos(ws: Path, request) -> None:
+    """The tiny model with its tokenizer's EOS token taken out (completions could never stop)."""
+    import shutil
+
+    shutil.copytree(request.getfixturevalue("tiny_model_dir"), ws / "noeos")
+    path = ws / "noeos" / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["eos_token"] = config["pad_token"] = None
+    path.write_text(json.dumps(config))
+
+
 @contextlib.contextmanager
 def tmpfs(path: Path, options: str):
     """A small real filesystem (root only: CI runs as root), unmounted afterwards."""
@@ -169,6 +180,15 @@ CASES = [
     Case("mistyped_path_one_level", ["--model_name_or_path", "out/finl"], 2,
          ["config error: model_name_or_path: no such folder: out/finl"], files={"out/final/config.json": "{}"},
          env={"HF_HUB_OFFLINE": "", "HF_HUB_CACHE": "{ws}/hub", "HF_ENDPOINT": "http://127.0.0.1:{port}"}),
+    Case("model_folder_without_tokenizer", ["--model_name_or_path", "m"], 2,
+         ["config error: model_name_or_path: m is not a model folder: it has no tokenizer files"],
+         files={"m/config.json": "{}", "m/model.safetensors": "x"}),
+    Case("model_is_a_checkpoint", ["--model_name_or_path", "out/checkpoints/step-00000002"], 2,
+         ["config error: model_name_or_path: out/checkpoints/step-00000002 is a recipe checkpoint",
+          "python -m recipe.export"], files={"out/checkpoints/step-00000002/meta.json": "{}",
+                                             "out/checkpoints/step-00000002/ds/x.pt": "x"}),
+    Case("tokenizer_without_eos", ["--model_name_or_path", "noeos"], 2,
+         ["config error: model_name_or_path: no usable tokenizer in", "has no EOS token"], prepare=tokenizer_without_eos),
     # --- the output folder and the run's fields ------------------------------------------------------
     Case("output_dir_read_only", ["--output_dir", "{ws}/ro/run"], 2, ["config error: output_dir: cannot write in",
                                                                      "/ro"]),

@@ -2,6 +2,7 @@
 and the errors for a missing vllm or an unsupported head size."""
 import importlib.util
 import json
+import shutil
 
 import pytest
 
@@ -28,11 +29,12 @@ def test_unsupported_cpu_head_size_is_named(tmp_path):
 
 @needs_vllm
 def test_config_validation_names_an_unsupported_head_size(tmp_path, tiny_model_dir):
-    conf = json.loads((tiny_model_dir / "config.json").read_text())
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    conf = json.loads((tmp_path / "m" / "config.json").read_text())
     conf.update(num_attention_heads=8, num_key_value_heads=2)  # hidden 128 / 8 heads = head size 16
-    (tmp_path / "config.json").write_text(json.dumps(conf))
+    (tmp_path / "m" / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ConfigError, match="does not support head size 16"):
-        preflight(load_config(["--generation_backend", "vllm", "--model_name_or_path", str(tmp_path)]))
+        preflight(load_config(["--generation_backend", "vllm", "--model_name_or_path", str(tmp_path / "m")]))
 
 
 def test_missing_vllm_is_one_line_config_error(monkeypatch):

@@ -31,7 +31,7 @@ def hub(tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as the environment now says (read at import)
     monkeypatch.chdir(tmp_path)
     return snap
 
@@ -118,3 +118,15 @@ def test_a_name_the_reachable_hub_does_not_have_is_one_line(hub, monkeypatch):
             model_folder("runs/finl")
     finally:
         server.shutdown()
+
+
+def test_a_local_model_folder_needs_config_weights_and_tokenizer(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_model_dir, tmp_path / "run" / "final")
+    assert model_folder("run/final").resolve() == tmp_path / "run" / "final"
+    with pytest.raises(ConfigError, match=r"run is a run's output folder: did you mean run/final\?"):
+        model_folder("run")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"empty is not a model folder: it has no config.json and no weights "
+                                          r"\(\*.safetensors, pytorch_model\*.bin\) and no tokenizer files"):
+        model_folder("./empty")
