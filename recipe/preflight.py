@@ -30,18 +30,35 @@ HUB_PROBE_S = 5.0  # how long the hub may take to answer before it counts as unr
 
 def preflight(cfg: Config) -> None:
     """Raise a ConfigError naming the field whose file, model, backend or reward function is unusable here."""
-    need(resolve_path(cfg.deepspeed_config).is_file(), f"deepspeed_config: file not found: {cfg.deepspeed_config}")
+    ds = deepspeed_json(cfg.deepspeed_config)
     if looks_like_file(cfg.dataset_name):
         need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
     check_output_dir(cfg.output_dir)
     folder = model_folder(cfg.model_name_or_path)
-    check_disk_space(cfg, folder)
+    check_disk_space(cfg, folder, ds)
     if cfg.generation_backend == "vllm":
         check_vllm(cfg, folder)
     try:
         load_reward_funcs(cfg.reward_funcs)  # imports only: nothing runs, so a typo fails before launch
     except RewardError as e:
         raise ConfigError(str(e)) from None
+
+
+def deepspeed_json(name: str) -> dict:
+    """The deepspeed_config file's JSON object (it is read after the process group starts)."""
+    path = resolve_path(name)
+    need(path.is_file(), f"deepspeed_config: file not found: {name}")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed_config: {name} is not valid JSON: line {e.lineno}, column {e.colno}: "
+                          f"{e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"deepspeed_config: cannot read {name}: {e}") from None
+    need(isinstance(ds, dict), f"deepspeed_config: {name} must hold a JSON object")
+    for key in ("optimizer", "zero_optimization"):
+        need(isinstance(ds.get(key, {}), dict), f"deepspeed_config: {key} in {name} must be an object")
+    return ds
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -60,19 +77,16 @@ def check_output_dir(output_dir: str) -> None:
         raise ConfigError(f"output_dir: cannot write in {probe}: {e.strerror}") from None
 
 
-def check_disk_space(cfg: Config, folder: Path | None) -> None:
+def check_disk_space(cfg: Config, folder: Path | None, ds: dict) -> None:
     """A disk that cannot hold one checkpoint would fail at the first save, hours in: refuse it now, and warn
     when it cannot hold the save_total_limit + 1 that a save needs. Sizes from the weights' headers; a model
     still to be downloaded is checked at its first save."""
     params = weight_count(folder) if folder is not None and cfg.save_steps > 0 else 0
     if not params:
         return
-    try:
-        ds = json.loads(resolve_path(cfg.deepspeed_config).read_text())
-        adam = "adam" in str(ds.get("optimizer", {}).get("type", "")).lower()
-        partitioned = ds.get("zero_optimization", {}).get("stage", 0) >= 2
-    except (OSError, ValueError, AttributeError):
-        return  # DeepSpeed says what is wrong with it
+    adam = "adam" in str(ds.get("optimizer", {}).get("type", "")).lower()
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    partitioned = isinstance(stage, int) and stage >= 2
     # with LoRA the adapter is small, the frozen base (fp32) is what ZeRO-2/3 checkpoints hold
     needed = min_checkpoint_bytes(0 if cfg.use_peft else params, 4 * params if cfg.use_peft else 0, adam, partitioned)
     free, _ = free_space(Path(cfg.output_dir).expanduser())

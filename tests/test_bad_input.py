@@ -197,6 +197,9 @@ CASES = [
     Case("disk_too_small_for_one_checkpoint", ["--save_steps", "1"], 2,
          ["config error: output_dir:", "has 2.0 MiB free, too little for one checkpoint", "a checkpoint needs about"],
          disk="size=2m"),
+    Case("deepspeed_config_not_json", ["--deepspeed_config", "{ws}/ds.json"], 2,
+         ["config error: deepspeed_config:", "ds.json is not valid JSON: line 3, column 3"],
+         files={"ds.json": '{\n  "zero_optimization": {"stage": 3},\n  }\n'}),
     Case("negative_seed", ["--seed", "-1"], 2, ["config error: seed: must be in [0,", "got -1"]),
     # --- the data ------------------------------------------------------------------------------------
     Case("empty_prompt_string", ["--dataset_name", "{ws}/p.jsonl"], 2,
