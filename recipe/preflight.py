@@ -34,6 +34,9 @@ def preflight(cfg: Config) -> None:
     if looks_like_file(cfg.dataset_name):
         need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
     check_output_dir(cfg.output_dir)
+    resume = cfg.resume_from_checkpoint  # a path's files are checked against its manifest when the run starts
+    need(resume in (None, "auto") or Path(resume).is_dir(),
+         f"resume_from_checkpoint: no such folder: {resume} (auto takes the newest complete one in output_dir)")
     folder = model_folder(cfg.model_name_or_path)
     check_disk_space(cfg, folder, ds)
     if cfg.generation_backend == "vllm":

@@ -200,6 +200,8 @@ CASES = [
     Case("deepspeed_config_not_json", ["--deepspeed_config", "{ws}/ds.json"], 2,
          ["config error: deepspeed_config:", "ds.json is not valid JSON: line 3, column 3"],
          files={"ds.json": '{\n  "zero_optimization": {"stage": 3},\n  }\n'}),
+    Case("resume_from_a_mistyped_checkpoint", ["--resume_from_checkpoint", "{ws}/run/checkpoints/step-5"], 2,
+         ["config error: resume_from_checkpoint: no such folder:", "step-5"]),
     Case("negative_seed", ["--seed", "-1"], 2, ["config error: seed: must be in [0,", "got -1"]),
     # --- the data ------------------------------------------------------------------------------------
     Case("empty_prompt_string", ["--dataset_name", "{ws}/p.jsonl"], 2,
