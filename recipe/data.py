@@ -116,15 +116,6 @@ def _holds_messages(feature) -> bool:
     return isinstance(inner, dict) and {"role", "content"} <= set(inner)
 
 
-def _check_prompt(prompt, row: int, column: str) -> None:
-    if not prompt:
-        raise DataError(f"prompt_column: row {row} of column {column!r} is empty")
-    if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
-        raise DataError(f"prompt_column: row {row} of column {column!r} is {type(prompt).__name__} {prompt!r:.80}, "
-                        "expected text or a list of chat messages ({role, content})")
-
-
 def check_not_empty(path, name: str) -> None:
     """A file with nothing in it (datasets would say only `StopIteration`)."""
     size = path.stat().st_size
@@ -145,8 +136,8 @@ def uses_chat_template(tokenizer, cfg: Config) -> bool:
 
 
 def check_prompts(ds, cfg: Config, chat: bool) -> None:
-    """Every row's prompt, when the data loads (not rollouts later, inside the loop): none null, none empty,
-    chat messages only when a chat template applies them."""
+    """Every row's prompt, when the data loads (not when a rollout uses it, inside the loop): text or chat
+    messages ({role, content}), none null or empty, chat messages only when a chat template applies them."""
     column, name = cfg.prompt_column, cfg.dataset_name
     start = 0
     for batch in ds.select_columns([column]).iter(batch_size=10_000):
@@ -229,8 +220,6 @@ class PromptStream:
         rows = self.ds[indices]
         column = self.cfg.prompt_column
         prompts = rows.pop(column)
-        for i, p in zip(indices, prompts):
-            _check_prompt(p, i, column)
         texts = [self.format(p) for p in prompts]
         add_special = not self.use_chat  # a chat template already writes the special tokens
         ids = self.tok(texts, add_special_tokens=add_special)["input_ids"]

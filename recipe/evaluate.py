@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from recipe.config import Config
-from recipe.data import DataError, PromptStream, left_pad, load_prompt_dataset
+from recipe.data import DataError, PromptStream, check_prompts, left_pad, load_prompt_dataset
 from recipe.rewards import RewardError, load_reward_funcs, score
 
 DEFAULT_REWARD = "recipe.examples.arith_rewards:correctness"
@@ -59,6 +59,7 @@ def evaluate(model_path: str, data: str, reward: str = DEFAULT_REWARD, prompt_co
     path = engine.model_path(cfg)
     tok = engine.load_tokenizer(path)
     stream = PromptStream(ds, tok, cfg, rank=0, world_size=1)  # the training path's prompt formatting
+    check_prompts(ds, cfg, stream.use_chat)
     if (Path(path) / "adapter_config.json").is_file():  # a LoRA run's OUTPUT_DIR/final: base + adapter
         from peft import AutoPeftModelForCausalLM
 

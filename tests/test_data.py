@@ -195,8 +195,8 @@ def test_data_errors_name_the_field_or_column(tmp_path, tok):
         load_prompt_dataset(cfg_for(path))
     path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": ""}, {"prompt": ""}])
     cfg = cfg_for(path)
-    with pytest.raises(DataError, match="^prompt_column: row . of column 'prompt' is empty"):
-        PromptStream(load_prompt_dataset(cfg), tok, cfg, 0, 1).batch(0)
+    with pytest.raises(DataError, match="^prompt_column: row 0 of .* has an empty 'prompt'"):
+        check_prompts(load_prompt_dataset(cfg), cfg, chat=False)  # every row, when the data loads
     bad = tmp_path / "p.xyz"
     bad.write_text("x")
     with pytest.raises(DataError, match="^dataset_name: cannot load .*p.xyz"):
@@ -210,11 +210,11 @@ def test_data_errors_name_the_field_or_column(tmp_path, tok):
     ([{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": []}], True, "row 1 of .* empty list of chat messages"),
     ([{"prompt": "a"}, {"prompt": {"text": "b"}}], False, "row 1 of .* has a 'prompt' of type dict \\(\"{'text': 'b'}\"\\); "
                                                           "a prompt is text or a list of chat messages"),
-    ([{"prompt": 7}], False, "row 0 of .* has a 'prompt' of type int \\('7'\\)"),
-    ([{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"role": "user"}]}], True,
+    ([{"prompt": "a"}, {"prompt": 7}], False, "row 1 of .* has a 'prompt' of type int \\('7'\\)"),
+    ([{"prompt": "a"}, {"prompt": [{"role": "user"}]}], True,
      "row 1 of .* has a chat message without a 'role' and 'content'"),
-    ([{"prompt": [None]}], True, "row 0 of .* has a chat message without a 'role' and 'content': 'None'"),
-    ([{"prompt": ["hi", "there"]}], True, "row 0 of .* has a chat message without a 'role' and 'content': 'hi'"),
+    ([{"prompt": "a"}, {"prompt": [None]}], True, "row 1 of .* has a chat message without a 'role' and 'content': 'None'"),
+    ([{"prompt": "a"}, {"prompt": ["hi", "there"]}], True, "row 1 of .* has a chat message without a 'role' and 'content': 'hi'"),
     ([{"prompt": [{"role": "user", "content": "hi"}]}], None, "row 0 of .* holds chat messages, but the tokenizer "
                                                               "of .* has no chat template"),
 ])
