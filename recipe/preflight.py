@@ -1,9 +1,10 @@
 """Preflight: the config checks that ask the environment, run once by `recipe.train.main` before any process
 group starts, so that a missing file or an unusable backend costs a one-line ConfigError (exit code 2).
 
-`config.py` checks the fields on their own; this step asks the rest of the machine: do the files exist, is the
-model there (a built-in one is built here, once, before any rank needs it; a hub name must be cached or the hub
-reachable), can the output folder be written, can vLLM serve the model here, do the reward functions import.
+`config.py` checks the fields on their own; this step asks the rest of the machine: do the files exist (the
+DeepSpeed config parses, a resume folder is there), is the model there (a built-in one is built here, once,
+before any rank needs it; a local folder holds a model; a hub name must be cached or on the reachable hub), can
+the output folder be written and hold a checkpoint, can vLLM serve the model here, do the reward functions import.
 """
 from __future__ import annotations
 
