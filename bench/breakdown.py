@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--no-grid", action="store_true", help="only the base config")
     args = ap.parse_args()
-    base = run("base", [], args.steps, args.nproc)
+    base = run("base", ["--num_iterations", "4"], args.steps, args.nproc)  # the quickstart at a fixed mu
     print(json.dumps(base["shares"], indent=1), flush=True)
     grid = []
     if not args.no_grid:

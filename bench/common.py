@@ -67,20 +67,25 @@ def smoothed(rows: list[dict], k: int) -> list[float]:
     return moving_average([r["reward"] for r in rows], k)
 
 
-def time_to(rows: list[dict], threshold: float, k: int) -> float | None:
-    """Wall time at which the k-rollout moving average first reached the threshold (None: never)."""
-    return next((r["time_s"] for r, s in zip(rows, smoothed(rows, k)) if s >= threshold), None)
+def time_to(rows: list[dict], threshold: float, k: int, clock: str = "time_s") -> float | None:
+    """Time (the rows' `clock`: time_s wall, cpu_s process CPU) at which the k-rollout moving average first reached
+    the threshold (None: never)."""
+    return next((r[clock] for r, s in zip(rows, smoothed(rows, k)) if s >= threshold), None)
 
 
 def per_generation(records: list[dict]) -> list[dict]:
-    """One row per rollout: its reward and the wall time (sum of step times) at which that reward was known."""
-    rows, elapsed = [], 0.0
+    """One row per rollout: its reward and the wall time (sum of step times) at which that reward was known; with
+    step_cpu_s in the records also cpu_s, the process CPU time by then (the first step's CPU split as its wall)."""
+    rows, elapsed, cpu = [], 0.0, 0.0
     for r in records:
         if r["iteration"] == 0 and (not rows or rows[-1]["generation"] != r["generation"]):
-            known_at = elapsed + r["time_generate_s"] + r["time_score_s"]
-            rows.append({"generation": r["generation"], "reward": r["reward_mean"], "time_s": known_at,
+            rollout_s = r["time_generate_s"] + r["time_score_s"]
+            rows.append({"generation": r["generation"], "reward": r["reward_mean"], "time_s": elapsed + rollout_s,
                          "step": r["step"] - 1})
+            if "step_cpu_s" in r:
+                rows[-1]["cpu_s"] = cpu + r["step_cpu_s"] * rollout_s / r["step_time_s"]
         elapsed += r["step_time_s"]
+        cpu += r.get("step_cpu_s", 0.0)
     return rows
 
 

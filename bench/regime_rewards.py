@@ -10,3 +10,9 @@ from __future__ import annotations
 def vowel_share(prompts, completions, **_) -> list[float]:
     """Fraction of the completion's characters in 'aeiou' (0.0 for an empty completion)."""
     return [sum(ch in "aeiou" for ch in c) / len(c) if c else 0.0 for c in completions]
+
+
+def space_share(prompts, completions, **_) -> list[float]:
+    """Fraction of the completion's characters that are spaces (shorter words), 0.0 for an empty completion: a
+    second length-neutral reward, on word boundaries rather than letters (a regime the default was not designed on)."""
+    return [c.count(" ") / len(c) if c else 0.0 for c in completions]

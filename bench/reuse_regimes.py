@@ -72,6 +72,24 @@ REGIMES = {
                          "about": "generation-dominated, length-neutral reward (vowel share): 256 new tokens, G = 4, "
                                   "16 completions/step, lr 3e-4"},
 }
+# The map the default (num_iterations: auto) was designed on: its constant reuse_kl_scale was read off trl_lr1e-3
+# and long_g4_lr3e-4. The regimes below were added afterwards, to test the rule where it was not tuned.
+DESIGNED_ON = set(REGIMES)
+SPACE = [*H64, "--reward_funcs", json.dumps(["bench/regime_rewards.py:space_share"]), "--num_generations", "4",
+         "--max_completion_length", "128", "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"]
+REGIMES.update({
+    # a different reward (length-neutral, on word boundaries), shorter completions
+    "space_b16_lr1e-3": {"args": [*SPACE, "--learning_rate", "1e-3"], "budget_s": 180, "stop_at": 0.95,
+                         "about": "new reward (space share), 128 new tokens, G = 4, 16 completions/step, lr 1e-3"},
+    # a different width and learning rate with long completions
+    "h128_long_lr6e-4": {"args": [*LONG, "--model_name_or_path", "builtin:tiny-qwen2", "--learning_rate", "6e-4"],
+                         "budget_s": 60, "about": "hidden 128, 256 new tokens, 8 completions/step, lr 6e-4"},
+    # the most generation-dominated regime these CPUs allow with a length-neutral reward: 8 completions per step
+    # (decoding costs about the same per token step whatever the batch, training halves), mu up to 8
+    "vowel_b8_lr3e-4": {"args": [*VOWEL, "--per_device_train_batch_size", "8", "--learning_rate", "3e-4"],
+                        "budget_s": 1000, "stop_at": 0.95,
+                        "about": "generation-dominated, vowel share: 256 new tokens, G = 4, 8 completions/step, lr 3e-4"},
+})
 VARIANTS = {
     "1": ["--num_iterations", "1"],
     "2": ["--num_iterations", "2"],
@@ -79,12 +97,14 @@ VARIANTS = {
     "8": ["--num_iterations", "8"],
     "4+kl5e-4": ["--num_iterations", "4", "--reuse_target_kl", "5e-4"],
     "4+kl2e-3": ["--num_iterations", "4", "--reuse_target_kl", "2e-3"],
+    "auto": ["--num_iterations", "auto"],  # the default: mu decided per rollout, at most 8 (recipe/reuse.py)
 }
 RENAMED = {"4+kl": "4+kl2e-3"}  # variant names of earlier result files
+CLOCKS = {"cpu_s": "step_cpu_s", "time_s": "step_time_s"}  # a row's clock: the metrics key it sums
 
 
-def run(regime: str, variant: str, seed: int, root: Path) -> dict:
-    """One training run, stopped once its summed step times pass the regime's budget."""
+def run(regime: str, variant: str, seed: int, root: Path, clock: str) -> dict:
+    """One training run, stopped once its summed step times (on `clock`) pass the regime's budget."""
     out = root / regime / f"{variant}_seed{seed}"
     cmd = [sys.executable, "-m", "recipe.train", "--config", QUICKSTART, *REGIMES[regime]["args"],
            *VARIANTS[variant], "--seed", str(seed), "--max_steps", "100000", "--output_dir", str(out),
@@ -93,18 +113,19 @@ def run(regime: str, variant: str, seed: int, root: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     budget, stop_at = REGIMES[regime]["budget_s"], REGIMES[regime].get("stop_at")
     (out / "metrics.jsonl").unlink(missing_ok=True)
-    tail = MetricsTail(out)  # polled while two runs share the cores: parse only what is new
+    tail, loads = MetricsTail(out), []  # polled while two runs share the cores: parse only what is new
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             time.sleep(0.5)
             recs = tail.read()
-            if trained_seconds(recs) >= budget or at_ceiling(recs, stop_at):
+            loads.append(os.getloadavg()[0])
+            if trained_seconds(recs, clock) >= budget or at_ceiling(recs, stop_at):
                 proc.kill()
                 proc.wait()
                 break
     recs = read_metrics(out)
-    if not recs or (trained_seconds(recs) < budget and not at_ceiling(recs, stop_at)):
+    if not recs or (trained_seconds(recs, clock) < budget and not at_ceiling(recs, stop_at)):
         raise RuntimeError(f"{regime} mu={variant} seed={seed} stopped early; see {out.with_suffix('.log')}")
     passes = [r["passes_used"] for r in recs if r["step"] == len(recs) or
               recs[r["step"]]["generation"] != r["generation"]]
@@ -112,28 +133,38 @@ def run(regime: str, variant: str, seed: int, root: Path) -> dict:
             "generation_share": sum(r["time_generate_s"] for r in recs) / sum(r["step_time_s"] for r in recs),
             "clip_ratio_region_mean": statistics.mean(r["clip_ratio_region"] for r in recs),
             "approx_kl_mean": statistics.mean(r["approx_kl"] for r in recs),
-            "passes_used_mean": statistics.mean(passes), "steps": len(recs), "budget_s": budget}
+            "passes_used_mean": statistics.mean(passes), "steps": len(recs), "budget_s": budget,
+            "budget_clock": clock, "trained": {c: trained_seconds(recs, c) for c in CLOCKS},
+            "frozen_generation_share": recs[-1].get("reuse_generation_share"),
+            "load_1m_mean": statistics.mean(loads) if loads else os.getloadavg()[0]}
 
 
-def trained_seconds(records: list[dict]) -> float:
-    return sum(r["step_time_s"] for r in records)
+def trained_seconds(records: list[dict], clock: str) -> float:
+    return sum(r[CLOCKS[clock]] for r in records)
 
 
 def at_ceiling(records: list[dict], stop_at: float | None) -> bool:
     return stop_at is not None and bool(records) and max(smoothed(per_generation(records), SMOOTH)) >= stop_at
 
 
-def speedup(t1: float | None, tv: float | None, budget: float) -> float | None:
-    """t(mu=1) / t(variant); a missing time is 'after the budget' (then a bound, None if both missing)."""
+def speedup(t1: float | None, tv: float | None, end1: float) -> float | None:
+    """t(mu=1) / t(variant); a missing time is 'after mu = 1 stopped at end1' (then a bound, None if both
+    missing)."""
     if tv is None:
         return None if t1 is None else 0.0
-    return (t1 if t1 is not None else budget) / tv
+    return (t1 if t1 is not None else end1) / tv
 
 
-def summarize(runs: list[dict]) -> dict:
+def run_clock(runs: list[dict], clock: str) -> str:
+    """The clock a regime is summarized on: `clock` when every run has it (runs from before step_cpu_s: wall)."""
+    return clock if all(clock in r["rows"][0] for r in runs) else "time_s"
+
+
+def summarize(runs: list[dict], clock: str = "cpu_s") -> dict:
     out = {}
     for regime in dict.fromkeys(r["regime"] for r in runs):
         rr = [r for r in runs if r["regime"] == regime]
+        key = run_clock(rr, clock)
         start = statistics.median(r["rows"][0]["reward"] for r in rr)
         best = max(max(smoothed(r["rows"], SMOOTH)) for r in rr)
         thresholds = {str(f): start + f * (best - start) for f in FRACTIONS}
@@ -144,11 +175,13 @@ def summarize(runs: list[dict]) -> dict:
             vr = {r["seed"]: r for r in rr if r["variant"] == variant}
             row = {}
             for f, thr in thresholds.items():
-                t1 = {s: time_to(base[s]["rows"], thr, SMOOTH) for s in seeds if s in base}
-                tv = {s: time_to(vr[s]["rows"], thr, SMOOTH) for s in seeds if s in vr}
-                per_seed = [speedup(t1[s], tv[s], base[s]["budget_s"]) for s in seeds if s in vr and s in base]
+                t1 = {s: time_to(base[s]["rows"], thr, SMOOTH, key) for s in seeds if s in base}
+                tv = {s: time_to(vr[s]["rows"], thr, SMOOTH, key) for s in seeds if s in vr}
+                # mu = 1 never got there: it trained for its budget (or, on the other clock, what that took)
+                end1 = {s: base[s]["trained"][key] if "trained" in base[s] else base[s]["budget_s"] for s in base}
+                per_seed = [speedup(t1[s], tv[s], end1[s]) for s in seeds if s in vr and s in base]
                 known = [x for x in per_seed if x is not None]
-                # mu = 1 never got there but the variant did: budget / t, a lower bound of the speed-up
+                # mu = 1 never got there but the variant did: end / t, a lower bound of the speed-up
                 bound = [t1[s] is None and tv[s] is not None for s in seeds if s in vr and s in base]
                 row[f] = {"median": statistics.median(known) if known else None, "per_seed": per_seed,
                           "per_seed_is_lower_bound": bound,
@@ -160,28 +193,53 @@ def summarize(runs: list[dict]) -> dict:
                 row["replay_efficiency_0.8"] = None if not s08 else (s08 * (g + mu * (1 - g)) - 1) / (mu - 1)
             row["passes_used_mean"] = statistics.mean(r["passes_used_mean"] for r in vr.values())
             row["clip_ratio_region_mean"] = statistics.mean(r["clip_ratio_region_mean"] for r in vr.values())
+            shares = [r["frozen_generation_share"] for r in vr.values() if r.get("frozen_generation_share")]
+            if shares:  # num_iterations: auto: the g each run measured and froze
+                row["frozen_generation_share"] = shares
             table[variant] = row
-        out[regime] = {"about": REGIMES[regime]["about"], "budget_s": rr[0]["budget_s"],
+        out[regime] = {"about": REGIMES[regime]["about"], "designed_on": regime in DESIGNED_ON,
+                       "clock": key, "budget_s": rr[0]["budget_s"],
                        "generation_share_mu1": statistics.median(r["generation_share"] for r in base.values()),
                        "first_reward": start, "best_reward": best, "thresholds": thresholds, "variants": table}
+        if "auto" in table:
+            out[regime]["verdict"] = verdict(table)
     return out
+
+
+def verdict(table: dict, f: str = "0.8") -> dict:
+    """The default against mu = 1 and against the best fixed mu of the regime, to the threshold f (medians)."""
+    fixed = {v: row[f]["median"] for v, row in table.items() if v.isdigit()}
+    best = max(fixed, key=lambda v: -1.0 if fixed[v] is None else fixed[v])
+    auto, top = table["auto"][f]["median"], fixed[best]
+    return {"threshold": f, "auto": auto, "best_fixed_mu": best, "best_fixed": top,
+            "auto_over_best": None if not (auto and top) else auto / top,
+            "no_later_than_mu1": auto is not None and auto >= 1.0,
+            "within_10pct_of_best": auto is not None and (top is None or auto >= 0.9 * top)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
-    ap.add_argument("--variants", nargs="+", default=["1", "2", "4", "8", "4+kl5e-4"], choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=["1", "2", "4", "8", "auto"], choices=list(VARIANTS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
     ap.add_argument("--budget_scale", type=float, default=1.0, help="multiply every regime's time budget")
+    ap.add_argument("--clock", choices=list(CLOCKS), default="cpu_s",
+                    help="budgets and the verdict on process CPU seconds (cpu_s: robust to other jobs on the machine) "
+                         "or wall seconds (time_s); the other clock is reported too")
     ap.add_argument("--keep", action="store_true",
                     help="keep the other regimes' runs from the existing reuse_regimes.json (rerun only --regimes)")
+    ap.add_argument("--resummarize", action="store_true", help="run nothing: summarize and plot the stored runs again")
     args = ap.parse_args()
     if "1" not in args.variants:
         ap.error("--variants must include 1 (the baseline)")
     for r in REGIMES.values():
         r["budget_s"] *= args.budget_scale
 
+    path = RESULTS / "reuse_regimes.json"
+    if args.resummarize:  # the stored runs summarized and plotted again (after a change to the summary's rules)
+        old = json.loads(path.read_text())
+        return write(old["runs"], old["commands"], old.get("clock", args.clock), old["total_wall_s"], old["machine"])
     root = RESULTS / "tmp" / "reuse_regimes"
     plan = []
     for i, seed in enumerate(args.seeds):
@@ -190,42 +248,63 @@ def main() -> None:
             plan += [(regime, v, seed) for v in args.variants[k:] + args.variants[:k]]  # rotate who goes first
     t0 = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
-        runs = list(pool.map(lambda p: report(run(*p, root)), plan))
-    commands = [None]
-    if args.keep and (RESULTS / "reuse_regimes.json").exists():
-        old = json.loads((RESULTS / "reuse_regimes.json").read_text())
+        runs = list(pool.map(lambda p: report(run(*p, root, args.clock)), plan))
+    commands = ["python bench/reuse_regimes.py " + " ".join(
+        [f"--regimes {' '.join(args.regimes)}", f"--variants {' '.join(args.variants)}",
+         f"--seeds {' '.join(map(str, args.seeds))}", f"--jobs {args.jobs}", f"--budget_scale {args.budget_scale}",
+         f"--clock {args.clock}"] + (["--keep"] if args.keep else []))]
+    if args.keep and path.exists():
+        old = json.loads(path.read_text())
         kept = [r for r in old["runs"] if r["regime"] not in args.regimes]
         for r in kept:
             r.setdefault("budget_s", old["regimes"][r["regime"]]["budget_s"])
             r["variant"] = RENAMED.get(r["variant"], r["variant"])
-        runs, commands = kept + runs, (old.get("commands") or [old["command"]]) + commands
-    summary = summarize(runs)
-    commands[-1] = "python bench/reuse_regimes.py " + " ".join(
-            [f"--regimes {' '.join(args.regimes)}", f"--variants {' '.join(args.variants)}",
-             f"--seeds {' '.join(map(str, args.seeds))}", f"--jobs {args.jobs}",
-             f"--budget_scale {args.budget_scale}"] + (["--keep"] if args.keep else []))
+        still = {r["regime"] for r in kept}  # commands whose regimes were all rerun now are history
+        old_commands = [c for c in old.get("commands") or [old["command"]] if still & set(regimes_of(c))]
+        runs, commands = kept + runs, old_commands + commands
+    write(runs, commands, args.clock, time.perf_counter() - t0)
+
+
+def write(runs: list[dict], commands: list[str], clock: str, total_wall_s: float, where: dict | None = None) -> None:
+    summary, wall = summarize(runs, clock), summarize(runs, "time_s")
     result = {
         "commands": commands,
         "threshold_rule": f"fraction f of the way from the median first-rollout reward to the best {SMOOTH}-rollout "
                           "moving average of any run in the regime; time = summed step times (start-up excluded) "
-                          "until that rollout's reward was known",
+                          "until that rollout's reward was known, on each regime's clock (regimes[...]['clock']: "
+                          "cpu_s = the run's process CPU seconds, time_s = wall seconds)",
+        "clock": clock,
         "threshold_fractions": list(FRACTIONS),
         "speedup_rule": "per seed t(mu=1)/t(variant), median over seeds; a run that never reached the threshold "
-                        "counts as the budget (a bound) or 0.0 when the variant never reached it",
+                        "counts as the time mu = 1 trained (a bound) or 0.0 when the variant never reached it",
         "variants": {k: " ".join(v) for k, v in VARIANTS.items()},
-        "speedup_vs_mu1": {reg: {v: {f: row[f]["median"] for f in map(str, FRACTIONS)}
-                                 for v, row in s["variants"].items()} for reg, s in summary.items()},
-        "regimes": summary, "runs": runs, "total_wall_s": time.perf_counter() - t0,
-        "machine": machine(load_average_at_end=os.getloadavg()),
+        "speedup_vs_mu1": medians(summary), "speedup_vs_mu1_wall": medians(wall),
+        "verdicts": {reg: s["verdict"] for reg, s in summary.items() if "verdict" in s},
+        "load_1m_during_runs": {reg: [f(r["load_1m_mean"] for r in runs if r["regime"] == reg and "load_1m_mean" in r)
+                                      for f in (min, statistics.median, max)]
+                                for reg in summary if any("load_1m_mean" in r for r in runs if r["regime"] == reg)},
+        "regimes": summary, "runs": runs, "total_wall_s": total_wall_s,
+        "machine": where or machine(load_average_at_end=os.getloadavg()),
     }
     path = save_json("reuse_regimes.json", result)
     for regime in summary:
         plot(regime, [r for r in runs if r["regime"] == regime], summary[regime], RESULTS / f"reuse_{regime}.png")
     print(f"wrote {path}")
     for reg, s in summary.items():
-        print(f"{reg} (generation share {s['generation_share_mu1']:.2f}):",
-              {v: {f: None if row[f]["median"] is None else round(row[f]["median"], 2) for f in map(str, FRACTIONS)}
-               for v, row in s["variants"].items()})
+        print(f"{reg} (generation share {s['generation_share_mu1']:.2f}, {s['clock']}):",
+              {v: {f: None if x is None else round(x, 2) for f, x in row.items()} for v, row in medians(summary)[reg].items()},
+              s.get("verdict", ""))
+
+
+def medians(summary: dict) -> dict:
+    return {reg: {v: {f: row[f]["median"] for f in map(str, FRACTIONS)} for v, row in s["variants"].items()}
+            for reg, s in summary.items()}
+
+
+def regimes_of(command: str) -> list[str]:
+    words = command.split()
+    i = words.index("--regimes") + 1
+    return words[i:next((j for j in range(i, len(words)) if words[j].startswith("--")), len(words))]
 
 
 def report(r: dict) -> dict:
@@ -245,11 +324,12 @@ def plot(regime: str, runs: list[dict], summary: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         label = f"mu={r['variant']}" if r["seed"] == runs[0]["seed"] else None
-        ax.plot([x["time_s"] for x in r["rows"]], smoothed(r["rows"], SMOOTH), color=colors[r["variant"]],
-                label=label, lw=1.2 if r["variant"] == "1" or "+" in r["variant"] else 0.7)
+        ax.plot([x[summary["clock"]] for x in r["rows"]], smoothed(r["rows"], SMOOTH), color=colors[r["variant"]],
+                label=label, lw=1.2 if r["variant"] in ("1", "auto") or "+" in r["variant"] else 0.7)
     for f, t in summary["thresholds"].items():
         ax.axhline(t, ls="--", lw=0.8, color="gray")
-    ax.set_xlabel("wall-clock training seconds (start-up excluded)")
+    ax.set_xlabel({"cpu_s": "process CPU seconds of training", "time_s": "wall-clock training seconds"}[summary["clock"]]
+                  + " (start-up excluded)")
     ax.set_ylabel(f"reward ({SMOOTH}-rollout moving average)")
     title = textwrap.fill(f"{regime}: {summary['about']}", 100)
     ax.set_title(f"{title}\ngeneration share at mu=1: {summary['generation_share_mu1']:.2f}", fontsize=9)

@@ -98,15 +98,19 @@ class Config:
                              "or mappings {func, weight, kwargs, name}")
     scale_rewards: str = opt("group", "std dividing the centered rewards: group, batch (all ranks) or none")
     # --- GRPO --------------------------------------------------------------------------
-    num_iterations: int = opt(1, "mu: optimizer passes over each rollout")
+    num_iterations: int | str = opt("auto", "mu: optimizer passes over each rollout, or auto: decided after each pass")
     epsilon: float = opt(0.2, "clip range low: ratios below 1 - epsilon are clipped")
     epsilon_high: float | None = opt(None, "clip range high (1 + epsilon_high); null = epsilon")
     beta: float = opt(0.0, "KL coefficient (k3) against the frozen reference model; 0 = no reference")
     loss_type: str = opt("dapo", "grpo, step_token_mean, dr_grpo or dapo (README: how each normalizes)")
     mask_truncated_completions: bool = opt(False, "drop completions that hit max_completion_length from the loss")
-    reuse_target_kl: float | None = opt(None, "adaptive reuse: skip a rollout's remaining passes once a pass's mean "
-                                        "approximate KL to the sampling policy exceeds this; null = off")
+    reuse_target_kl: float | None = opt(None, "adaptive reuse at a fixed mu: skip a rollout's remaining passes once a "
+                                        "pass's mean approximate KL to the sampling policy exceeds this; null = off")
     reuse_max_clip_fraction: float | None = opt(None, "adaptive reuse: the same on the clipped-token fraction")
+    reuse_max_iterations: int = opt(8, "auto: the most passes a rollout gets")
+    reuse_kl_scale: float = opt(8e-4, "auto: kappa; replay while the next pass's KL < kappa g / (1 - g)")
+    reuse_generation_share: float | None = opt(None, "auto: pin g, generation's share of a step; null = measure it")
+    reuse_measure_rollouts: int = opt(3, "auto: rollouts after the first whose timings give the frozen cost ratio")
     # --- batch shape (per rank) --------------------------------------------------------
     per_device_train_batch_size: int = opt(8, "completions per micro-batch")
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
@@ -154,9 +158,18 @@ class Config:
         return self.completions_per_rollout // self.num_generations
 
     @property
+    def auto_reuse(self) -> bool:
+        return self.num_iterations == "auto"
+
+    @property
+    def max_passes(self) -> int:
+        """The most passes a rollout may get: mu, or with num_iterations: auto its cap."""
+        return self.reuse_max_iterations if self.auto_reuse else self.num_iterations
+
+    @property
     def needs_old_logps(self) -> bool:
         """Old log-probs differ from logp.detach() only when a rollout feeds several optimizer steps."""
-        return self.num_iterations > 1 or self.optimizer_steps_per_pass > 1
+        return self.max_passes > 1 or self.optimizer_steps_per_pass > 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -334,7 +347,9 @@ def looks_like_file(name: str) -> bool:
 
 def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.num_generations >= 2, f"num_generations: must be >= 2 (group advantages need a group), got {cfg.num_generations}")
-    need(cfg.num_iterations >= 1, f"num_iterations: mu must be >= 1, got {cfg.num_iterations}")
+    need(isinstance(cfg.num_iterations, int) or cfg.auto_reuse,
+         f"num_iterations: must be an integer mu >= 1 or auto, got {cfg.num_iterations!r}")
+    need(cfg.auto_reuse or cfg.num_iterations >= 1, f"num_iterations: mu must be >= 1, got {cfg.num_iterations}")
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "optimizer_steps_per_pass",
                  "max_steps", "max_completion_length", "max_prompt_length", "logging_steps"):
         need(getattr(cfg, name) >= 1, f"{name}: must be >= 1, got {getattr(cfg, name)}")
@@ -347,6 +362,14 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          f"reuse_target_kl: must be > 0 or null, got {cfg.reuse_target_kl}")
     need(cfg.reuse_max_clip_fraction is None or 0 < cfg.reuse_max_clip_fraction < 1,
          f"reuse_max_clip_fraction: must be in (0, 1) or null, got {cfg.reuse_max_clip_fraction}")
+    need(not (cfg.auto_reuse and cfg.reuse_target_kl is not None),
+         "reuse_target_kl: num_iterations: auto sets the KL target from the generation share (reuse_kl_scale); "
+         "give a fixed num_iterations to set it by hand")
+    need(cfg.reuse_max_iterations >= 1, f"reuse_max_iterations: must be >= 1, got {cfg.reuse_max_iterations}")
+    need(cfg.reuse_kl_scale > 0, f"reuse_kl_scale: must be > 0, got {cfg.reuse_kl_scale}")
+    need(cfg.reuse_generation_share is None or 0 < cfg.reuse_generation_share < 1,
+         f"reuse_generation_share: must be in (0, 1) or null, got {cfg.reuse_generation_share}")
+    need(cfg.reuse_measure_rollouts >= 1, f"reuse_measure_rollouts: must be >= 1, got {cfg.reuse_measure_rollouts}")
     need(cfg.beta >= 0.0, f"beta: must be >= 0, got {cfg.beta}")
     need(cfg.loss_type != "bnpo", "loss_type: bnpo: TRL's bnpo divides each micro-batch by its own token count, so "
          "its update depends on how the rollout is split; use step_token_mean (the step's tokens on all ranks) or dapo")

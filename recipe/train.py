@@ -123,14 +123,16 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     return run, state
 
 
-def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_prompts: int,
+def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_prompts: int, prompt_tokens: int,
                   error: bool) -> dict:
     """Reward and completion statistics over all ranks, in one all-reduce (which also shares errors)."""
     # each function's mean is over the samples it applies to (NaN: it returned None there)
     r64 = rewards.double()  # the batch std divides advantages: sums in float64, so 1 or N ranks agree
+    lengths = comp.mask.sum(-1)
     sums = {"reward": r64.sum(), "reward_sq": (r64 ** 2).sum(), "samples": rewards.numel(),
-            "length": comp.mask.sum(-1).sum(), "truncated": comp.truncated.float().sum(),
-            "prompts_truncated": num_truncated_prompts, "failed_ranks": float(error),
+            "length": lengths.sum(), "truncated": comp.truncated.float().sum(),
+            "prompts_truncated": num_truncated_prompts, "failed_ranks": float(error), "ranks": 1.0,
+            "decode_steps": lengths.max() if len(lengths) else 0, "tokens": prompt_tokens + lengths.sum(),
             **{f"reward/{k}": v.nansum() for k, v in per_func.items()},
             **{f"applies/{k}": (~v.isnan()).sum() for k, v in per_func.items()}}
     sums = eng.all_reduce_named({k: torch.as_tensor(v, dtype=torch.float64) for k, v in sums.items()})
@@ -139,6 +141,9 @@ def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_pro
     std = max(sums["reward_sq"] / n - mean ** 2, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5  # sample std
     return {"reward_mean": mean, "reward_std": std,
             "completion_length_mean": sums["length"] / n, "truncated_fraction": sums["truncated"] / n,
+            # what the rollout cost: its decoding steps (longest completion, mean over ranks) and the tokens a
+            # pass trains on (prompts and completions, all ranks); reuse.py prices replays with them
+            "decode_steps": sums["decode_steps"] / sums["ranks"], "rollout_tokens": int(sums["tokens"]),
             "prompts_truncated": int(sums["prompts_truncated"]), "failed_ranks": int(sums["failed_ranks"]),
             **{f"reward/{k}": sums[f"reward/{k}"] / max(sums[f"applies/{k}"], 1.0) for k in per_func}}
 
@@ -174,7 +179,8 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
             rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids)
         except RewardError as e:
             error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in run.rewards}
-    stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, error is not None)
+    stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, sum(map(len, rows.prompt_ids)),
+                          error is not None)
     if stats.pop("failed_ranks"):  # every rank names the function that failed, wherever it ran
         failed_rank, message = eng.first_error(None if error is None else str(error))
         raise RewardError(message if failed_rank == run.rank else f"{message} (on rank {failed_rank})")
@@ -186,13 +192,15 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     return buf, stats
 
 
-def step_record(run: Run, state: LoopState, done: StepResult, timer: Timer, step_time_s: float) -> dict:
+def step_record(run: Run, state: LoopState, done: StepResult, timer: Timer, step_time_s: float,
+                step_cpu_s: float) -> dict:
     """One line of metrics.jsonl: the step's statistics, its rollout's, the counters and where the time went."""
     return {"step": state.step, "generation": state.rollout, "iteration": done.pass_index,
             "passes_used": done.pass_index + 1, **done.stats, **state.stats,
             "prompts_truncated": state.prompts_truncated, "old_logp_forwards": state.old_logp_forwards,
             "nonfinite_steps": state.nonfinite_steps, "weight_syncs": run.generator.syncs, **timer.pop(*TIMED),
-            "step_time_s": step_time_s, "tokens_per_s": done.stats["train_tokens"] / step_time_s}
+            "step_time_s": step_time_s, "step_cpu_s": step_cpu_s,
+            "tokens_per_s": done.stats["train_tokens"] / step_time_s}
 
 
 def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
@@ -204,7 +212,7 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
     reuse = ReuseController(cfg)
     if state.reuse is not None:
         reuse.load_state_dict(state.reuse)
-    records, last = [], time.perf_counter()
+    records, last, last_cpu = [], time.perf_counter(), time.process_time()
     while state.step < cfg.max_steps:
         if state.buffer is None:  # generate, score, advantages
             state.buffer, state.stats = collect_rollout(run, state.rollout, timer)
@@ -213,16 +221,16 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             state.step += 1
             # a non-finite loss or gradient norm: stop, or (skip_nonfinite_steps) count a step DeepSpeed skipped
             state.nonfinite_steps += check_finite(done, state.step, state.nonfinite_steps, cfg.skip_nonfinite_steps)
-            # adaptive reuse: after a finished pass, maybe skip the rest of this rollout
-            reuse.observe(done.stats)
-            skip_rest = reuse.enabled and done.last_in_pass and reuse.pass_done()
             state.old_logp_forwards += done.old_logp_forwards
-            last_step = (cfg.num_iterations - 1, cfg.optimizer_steps_per_pass - 1)  # skipped passes count as done
+            now, cpu = time.perf_counter(), time.process_time()
+            record = step_record(run, state, done, timer, now - last, cpu - last_cpu)
+            last, last_cpu = now, cpu
+            # reuse (recipe/reuse.py): after a finished pass, maybe skip the rest of this rollout
+            skip_rest = reuse.step_done(record, done.last_in_pass)
+            records.append(record | reuse.status())
+            last_step = (cfg.max_passes - 1, cfg.optimizer_steps_per_pass - 1)  # skipped passes count as done
             state.position = last_step if skip_rest else (done.pass_index, done.step_index)
             state.reuse = reuse.state_dict()
-            now = time.perf_counter()
-            records.append(step_record(run, state, done, timer, now - last))
-            last = now
             if state.step % cfg.logging_steps == 0 or state.step == cfg.max_steps:
                 logger.log(records[-1])
             # checkpoint on schedule, at the end, or when a signal asks every rank to stop

@@ -24,7 +24,7 @@ STEP_SUMS = ("loss", "clip_low", "clip_high", "clip_region", "tokens", "kl", "ra
 @dataclass
 class StepResult:
     """One optimizer step of a rollout's update."""
-    pass_index: int  # which pass over the rollout (0 .. num_iterations - 1)
+    pass_index: int  # which pass over the rollout (0 .. cfg.max_passes - 1)
     step_index: int  # which optimizer step of that pass (0 .. optimizer_steps_per_pass - 1)
     last_in_pass: bool
     stats: dict  # over all ranks: loss, clip ratios, ratio_mean, approx_kl, train_tokens, [kl, is_ratio_*, grad_norm]
@@ -81,7 +81,7 @@ def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[
     old_logp, train, and inside train: forward, backward, optimizer.
     """
     timer = timer or Timer()
-    plan = buf.plan(cfg.num_iterations, cfg.optimizer_steps_per_pass, cfg.per_device_train_batch_size)
+    plan = buf.plan(cfg.max_passes, cfg.optimizer_steps_per_pass, cfg.per_device_train_batch_size)
     forwards = 0
     if after is None:
         with timer("old_logp"):

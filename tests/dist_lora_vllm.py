@@ -53,7 +53,7 @@ def main():
     cfg = Config(generation_backend="vllm", use_peft=True, lora_r=16, lora_alpha=32, lora_target_modules=TARGETS,
                  vllm_lora_sync=mode, vllm_tensor_parallel_size=tp, vllm_tis_cap=2.0,
                  num_generations=2, per_device_train_batch_size=4, max_completion_length=12, max_prompt_length=200,
-                 learning_rate=0.05, top_k=0)
+                 learning_rate=0.05, top_k=0, num_iterations=1)
     path = eng.model_path(cfg)
     tok = eng.load_tokenizer(path)
     engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)

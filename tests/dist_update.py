@@ -22,7 +22,7 @@ from recipe.update import train_on_rollout
 # adam_epsilon 1e-6: Adam turns float noise in near-zero gradients (e.g. the attention key bias, whose exact
 # gradient is 0) into lr-sized steps of random sign; a larger eps keeps the comparison about the update itself.
 BASE = dict(model_name_or_path="builtin:tiny-qwen2", learning_rate=1e-3, max_grad_norm=0.0, num_generations=4,
-            adam_epsilon=1e-6,
+            adam_epsilon=1e-6, num_iterations=1,
             per_device_train_batch_size=2, max_completion_length=8, epsilon=0.2, epsilon_high=0.28)
 
 
@@ -67,7 +67,7 @@ def advantages_from_rewards(cfg: Config, buf: RolloutBuffer, rank: int, world: i
     n = len(buf)
     rewards = fixed_rewards(n * world)[rank * n:(rank + 1) * n]
     comp = SimpleNamespace(mask=buf.completion_mask, truncated=torch.zeros(n, dtype=torch.bool))
-    stats = rollout_stats(rewards, {}, comp, 0, False)
+    stats = rollout_stats(rewards, {}, comp, num_truncated_prompts=0, prompt_tokens=0, error=False)
     return group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std=stats["reward_std"])
 
 

@@ -91,15 +91,18 @@ def test_vowel_share_reward_loads_as_a_file_spec():
 
 @pytest.mark.slow
 def test_reuse_regimes_smoke(tmp_path):
-    bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "4+kl5e-4", "--seeds", "0",
+    bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "2", "auto", "--seeds", "0",
           "--budget_scale", "0.08")
     r = json.loads((tmp_path / "reuse_regimes.json").read_text())
-    assert set(r["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "4+kl5e-4"} and r["threshold_fractions"] == [0.5, 0.8, 0.9]
+    assert set(r["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "2", "auto"} and r["threshold_fractions"] == [0.5, 0.8, 0.9]
     reg = r["regimes"]["trl_lr1e-3"]
     assert reg["thresholds"]["0.5"] <= reg["thresholds"]["0.9"] <= reg["best_reward"]
-    assert 0 < reg["generation_share_mu1"] < 1 and 1 <= reg["variants"]["4+kl5e-4"]["passes_used_mean"] <= 4
-    for run in r["runs"]:  # each run trained for its whole budget (start-up excluded) and was then stopped
-        assert run["rows"][-1]["time_s"] <= 45 * 0.08 + 5
+    assert reg["clock"] == r["clock"] == "cpu_s" and reg["designed_on"]
+    assert 0 < reg["generation_share_mu1"] < 1 and 1 <= reg["variants"]["auto"]["passes_used_mean"] <= 8
+    assert r["verdicts"]["trl_lr1e-3"]["threshold"] == "0.8" and set(r["speedup_vs_mu1_wall"]) == {"trl_lr1e-3"}
+    for run in r["runs"]:  # each run trained for its whole CPU budget (start-up excluded) and was then stopped
+        assert 45 * 0.08 <= run["trained"]["cpu_s"] and run["rows"][-1]["cpu_s"] <= 45 * 0.08 + 5
+        assert all(a["cpu_s"] < b["cpu_s"] for a, b in zip(run["rows"], run["rows"][1:]))
     assert_plot(tmp_path / "reuse_trl_lr1e-3.png", 770, 495)
 
 

@@ -53,7 +53,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
-    assert len(records) == 4 and records[-1]["iteration"] == 3  # quickstart mu = 4
+    assert len(records) == 4 and records[1]["iteration"] == 1  # auto: an on-policy pass is always replayed
     assert records[-1]["old_logp_forwards"] == 0  # spg = 1: captured from the first pass, no extra forward
 
 
@@ -88,7 +88,8 @@ def test_quickstart_end_to_end_reward_rises(tmp_path):
     assert len(records) == 160 and REQUIRED_KEYS <= set(records[0])
     first, last = reward_quarters(records)
     assert last > first + 5.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
-    assert {r["iteration"] for r in records} == {0, 1, 2, 3}
+    assert {0, 1} <= {r["iteration"] for r in records} <= set(range(8))  # num_iterations: auto, at most 8 passes
+    assert records[-1]["reuse_generation_share"] is not None  # priced once rollouts 1-3 gave the cost ratio
     assert records[-1]["old_logp_forwards"] == 0
     check_final_model(out)
 
