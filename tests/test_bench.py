@@ -91,10 +91,10 @@ def test_vowel_share_reward_loads_as_a_file_spec():
 
 @pytest.mark.slow
 def test_reuse_regimes_smoke(tmp_path):
-    bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "2", "auto", "--seeds", "0",
+    bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "auto", "--seeds", "0",
           "--budget_scale", "0.08")
     r = json.loads((tmp_path / "reuse_regimes.json").read_text())
-    assert set(r["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "2", "auto"} and r["threshold_fractions"] == [0.5, 0.8, 0.9]
+    assert set(r["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "auto"} and r["threshold_fractions"] == [0.5, 0.8, 0.9]
     reg = r["regimes"]["trl_lr1e-3"]
     assert reg["thresholds"]["0.5"] <= reg["thresholds"]["0.9"] <= reg["best_reward"]
     assert reg["clock"] == r["clock"] == "cpu_s" and reg["designed_on"]
