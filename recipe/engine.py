@@ -183,11 +183,14 @@ def ds_config(cfg: Config, world_size: int, hidden_size: int, train: bool = True
 
 
 def init_engine(model, cfg: Config, world_size: int):
+    """The policy's engine; it owns the learning-rate schedule (stepped per optimizer step, checkpointed)."""
     import deepspeed
+
+    from recipe.schedule import lr_scheduler
 
     conf = ds_config(cfg, world_size, model.config.hidden_size)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=conf)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=conf, lr_scheduler=lr_scheduler(cfg))
     return engine
 
 

@@ -13,11 +13,40 @@ import torch
 SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # a unit is a sequence; step_token_mean and dapo count tokens
 
 
-def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / T)[ids], per token, without materializing the full log-softmax."""
+ENTROPY_CHUNK_ELEMENTS = 1 << 24  # logits elements whose softmax is held at once for the entropy (64 MiB fp32)
+
+
+def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / T)[ids], per token, without materializing the full log-softmax.
+
+    `with_entropy` also returns each position's entropy of softmax(logits / T) (no gradient), from the same
+    logits and log-normalizer: a metric the training forward gets for free.
+    """
     logits = logits.float() / temperature
     picked = torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    if not with_entropy:
+        return picked - lse
+    return picked - lse, _entropy(logits.detach(), lse.detach())
+
+
+@torch.no_grad()
+def _entropy(scaled_logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """H = lse - sum(p * x) per position, p = softmax(x), a chunk of positions at a time (bounded memory)."""
+    flat, lse_flat = scaled_logits.reshape(-1, scaled_logits.shape[-1]), lse.reshape(-1)
+    out = torch.empty_like(lse_flat)
+    step = max(1, ENTROPY_CHUNK_ELEMENTS // flat.shape[-1])
+    for s in range(0, flat.shape[0], step):
+        x, z = flat[s:s + step], lse_flat[s:s + step]
+        out[s:s + step] = z - (torch.exp(x - z.unsqueeze(-1)) * x).sum(-1)
+    return out.view_as(lse)
+
+
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per group: True when all its rewards are equal (its advantages are 0: it teaches nothing)."""
+    grouped = rewards.view(-1, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1)
 
 
 STD_EPS = 1e-4  # TRL's: advantages = centered / (std + 1e-4), so runs compare side by side
@@ -79,18 +108,18 @@ def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, nor
     return units.sum() / normalizer
 
 
-def loss_normalizers(loss_type: str, step_tokens: torch.Tensor, step_sequences: int,
+def loss_normalizers(loss_type: str, step_tokens: torch.Tensor, step_sequences: torch.Tensor,
                      world_size: int) -> torch.Tensor:
     """Per [pass, optimizer step]: `reduce_loss`'s normalizer, units in the whole step over all ranks / world_size.
 
-    `step_tokens` [passes, steps]: active completion tokens of each step, summed over all ranks (known at
-    rollout time); `step_sequences`: sequences per step on each rank (the same on every rank).
+    `step_tokens`, `step_sequences` [passes, steps]: active completion tokens and trained sequences of each step,
+    summed over all ranks (known at rollout time; ranks may differ when zero_std_filter leaves groups out).
     grpo, dr_grpo: the step's sequences; step_token_mean: the step's tokens; dapo: the rollout's mean tokens per step,
     the same for every step of a pass.
     """
     passes, steps = step_tokens.shape
     if loss_type in SEQUENCE_LOSSES:
-        return torch.full((passes, steps), float(step_sequences))  # (sequences x world) / world
+        return step_sequences.float().clamp(min=1.0) / world_size
     if loss_type == "dapo":
         step_tokens = step_tokens.sum(dim=1, keepdim=True).expand(passes, steps) / steps
     elif loss_type != "step_token_mean":

@@ -8,6 +8,7 @@ the output folder be written and hold a checkpoint, can vLLM serve the model her
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -38,6 +39,11 @@ def preflight(cfg: Config) -> None:
     resume = cfg.resume_from_checkpoint  # a path's files are checked against its manifest when the run starts
     need(resume in (None, "auto") or Path(resume).is_dir(),
          f"resume_from_checkpoint: no such folder: {resume} (auto takes the newest complete one in output_dir)")
+    if cfg.eval_dataset_name and looks_like_file(cfg.eval_dataset_name):
+        need(resolve_path(cfg.eval_dataset_name).is_file(),
+             f"eval_dataset_name: file not found: {cfg.eval_dataset_name}")
+    need("wandb" not in cfg.report_to or importlib.util.find_spec("wandb") is not None,
+         "report_to: wandb needs the wandb package (pip install -e '.[wandb]')")
     folder = model_folder(cfg.model_name_or_path)
     check_disk_space(cfg, folder, ds)
     if cfg.generation_backend == "vllm":
@@ -62,6 +68,9 @@ def deepspeed_json(name: str) -> dict:
     need(isinstance(ds, dict), f"deepspeed_config: {name} must hold a JSON object")
     for key in ("optimizer", "zero_optimization"):
         need(isinstance(ds.get(key, {}), dict), f"deepspeed_config: {key} in {name} must be an object")
+    # One schedule, the recipe's: DeepSpeed would otherwise run its own beside it (or instead of it).
+    need("scheduler" not in ds, f"deepspeed_config: {name} has a \"scheduler\"; remove it: lr_scheduler_type, "
+                                "warmup_steps and min_lr_ratio set the schedule")
     return ds
 
 

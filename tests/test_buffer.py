@@ -75,3 +75,58 @@ def test_sampling_logps_stored_and_round_tripped():
     restored = RolloutBuffer.from_state_dict(again.state_dict())
     assert torch.equal(restored.sampling_logps, again.sampling_logps)
     assert torch.equal(restored.micro_batch(torch.tensor([2, 5]))["sampling_logps"], lps.float()[[2, 5]])
+
+
+def old_rule_schedule(buf, pass_index, steps, micro_batch_size):
+    """The schedule before zero_std_filter existed: the pass's permutation cut into steps, then micro-batches."""
+    order = torch.randperm(len(buf), generator=torch.Generator().manual_seed(buf.order_seed * 1000 + pass_index))
+    per_step = len(buf) // steps
+    return [[mb.tolist() for mb in order[s * per_step:(s + 1) * per_step].split(micro_batch_size)]
+            for s in range(steps)]
+
+
+def with_active(active, n=16):
+    buf, prompts, comps = make(n)
+    again = RolloutBuffer.build(prompts, comps, buf.advantages, buf.completion_mask, pad_id=0, order_seed=3,
+                                active=torch.tensor(active))
+    return buf, again
+
+
+def test_all_active_schedule_is_unchanged_and_left_out_samples_are_never_trained():
+    buf, same = with_active([True] * 16)
+    for p in range(3):
+        for steps, mbs in ((1, 4), (2, 2), (4, 2)):
+            expected = old_rule_schedule(buf, p, steps, mbs)
+            assert [[mb.tolist() for mb in step] for step in buf.schedule(p, steps, mbs)] == expected
+            assert [[mb.tolist() for mb in step] for step in same.schedule(p, steps, mbs)] == expected
+    # groups of 4: group 1 and group 3 had all-equal rewards and are left out
+    active = [g not in (1, 3) for g in range(4) for _ in range(4)]
+    _, buf = with_active(active)
+    assert buf.completion_mask[~buf.active].sum() == 0 and torch.equal(buf.active, torch.tensor(active))
+    for p in range(2):
+        sched = buf.schedule(p, steps=2, micro_batch_size=2)  # 16 / 2 / 2 = 4 micro-batches per step, always
+        assert [len(step) for step in sched] == [4, 4]
+        trained = torch.cat([torch.cat(step) for step in sched]).tolist()
+        assert sorted(trained) == [i for i in range(16) if active[i]]  # each kept sample once, no other
+        # the kept samples in the pass's shuffled order, cut evenly
+        order = [i for s in old_rule_schedule(with_active([True] * 16)[0], p, 1, 16)[0] for i in s if active[i]]
+        assert trained == order and [len(torch.cat(step)) for step in sched] == [4, 4]
+    counts = buf.sequence_counts(buf.plan(2, 2, 2))
+    assert counts.tolist() == [[4.0, 4.0], [4.0, 4.0]]
+    assert buf.token_counts(buf.plan(2, 2, 2)).sum(1).tolist() == [buf.completion_mask[buf.active].sum().item()] * 2
+
+
+def test_a_micro_batch_left_empty_gets_one_masked_filler_sample():
+    active = [i in (2, 9) for i in range(16)]  # two kept samples for 2 steps x 4 micro-batches
+    _, buf = with_active(active)
+    sched = buf.schedule(0, steps=2, micro_batch_size=2)
+    assert [len(step) for step in sched] == [4, 4] and all(len(mb) == 1 for step in sched for mb in step)
+    trained = [i for step in sched for mb in step for i in mb.tolist() if active[i]]
+    fillers = [i for step in sched for mb in step for i in mb.tolist() if not active[i]]
+    assert sorted(trained) == [2, 9] and len(fillers) == 6
+    assert buf.micro_batch(torch.tensor(fillers))["completion_mask"].sum() == 0  # adds nothing to loss or counts
+    assert buf.sequence_counts([sched]).tolist() == [[1.0, 1.0]]
+    _, none = with_active([False] * 16)  # a rank whose groups were all left out still makes every call
+    sched = none.schedule(0, 2, 2)
+    assert [len(step) for step in sched] == [4, 4] and none.sequence_counts([sched]).sum() == 0
+    assert none.token_counts([sched]).sum() == 0
