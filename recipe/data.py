@@ -59,12 +59,14 @@ def load_prompt_dataset(cfg: Config, for_eval: bool = False):
         name, split = cfg.eval_dataset_name, cfg.eval_dataset_split
         named = lambda f: f if f == "dataset_config" else f"eval_{f}"  # noqa: E731
     path = resolve_path(os.path.expanduser(name))
+    if split is None:  # eval_dataset_split null: a file's rows are its one split, "train"; a dataset's test split
+        split = "train" if path.is_file() else "test"
     where = f"{name!r}" + (f" config {config!r}" if config else "") + f" split {split!r}"
     try:
         if path.is_file():
             if config and not for_eval:
                 raise DataError(f"dataset_config: {name} is a single file, it has no configs (got {config!r})")
-            check_not_empty(path, name)
+            check_not_empty(path, name, named("dataset_name"))
             # the folder-based loader infers the format from the file's extension (compressed ones too)
             ds = datasets.load_dataset(str(path.parent.resolve()), data_files=path.name, split=split)
         elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
@@ -137,11 +139,11 @@ def _holds_messages(feature) -> bool:
     return isinstance(inner, dict) and {"role", "content"} <= set(inner)
 
 
-def check_not_empty(path, name: str) -> None:
+def check_not_empty(path, name: str, field: str = "dataset_name") -> None:
     """A file with nothing in it (datasets would say only `StopIteration`)."""
     size = path.stat().st_size
     if size == 0 or size <= 1 << 16 and not path.read_bytes().strip():
-        raise DataError(f"dataset_name: {name} is empty ({size} bytes, no rows)")
+        raise DataError(f"{field}: {name} is empty ({size} bytes, no rows)")
 
 
 def uses_chat_template(tokenizer, cfg: Config) -> bool:

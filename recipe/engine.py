@@ -57,8 +57,8 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
 
 def all_reduce_named(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Named per-rank tensors (one dtype and device) summed over all ranks in ONE all-reduce: stacked in the
-    dict's order, split back by name. A world of one skips the collective."""
-    if torch.distributed.get_world_size() == 1:
+    dict's order, split back by name. A world of one (or no process group at all) skips the collective."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return values
     flat = torch.cat([v.reshape(-1) for v in values.values()])
     torch.distributed.all_reduce(flat)

@@ -41,7 +41,10 @@ class MetricsLogger:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
         self.file = self._reopen(self.path, initial_step)
-        self._reopen(self.samples_path, initial_step).close()
+        if initial_step > 0 and self.samples_path.exists():
+            self._reopen(self.samples_path, initial_step).close()
+        else:  # written on the first sample only (a fresh start drops an earlier run's)
+            self.samples_path.unlink(missing_ok=True)
         if not disable_tqdm:
             from tqdm import tqdm
 
@@ -93,9 +96,10 @@ class MetricsLogger:
 def sample_rows(rollout: int, prompts: list, completions: list[str], rewards, per_func: dict, advantages,
                 count: int) -> list[dict]:
     """The first `count` completions of a rollout as flat rows: prompt, completion, reward (total and per
-    function) and advantage."""
+    function: null where it does not apply) and advantage."""
+    value = lambda x: None if math.isnan(float(x)) else float(x)  # noqa: E731 (a function's None is NaN here)
     return [{"generation": rollout, "prompt": prompts[i], "completion": completions[i], "reward": float(rewards[i]),
-             **{f"reward/{k}": float(v[i]) for k, v in per_func.items()}, "advantage": float(advantages[i])}
+             **{f"reward/{k}": value(v[i]) for k, v in per_func.items()}, "advantage": float(advantages[i])}
             for i in range(min(count, len(completions)))]
 
 

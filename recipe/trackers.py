@@ -50,6 +50,7 @@ class Wandb:
 
     def close(self) -> None:
         self.run.finish()
+        self.wandb.teardown()  # waits for wandb's service to write everything (the recipe ends with os._exit)
 
 
 TRACKER_CLASSES = {"tensorboard": TensorBoard, "wandb": Wandb}
