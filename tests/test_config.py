@@ -203,3 +203,9 @@ def test_report_to_takes_a_list_or_one_name_and_the_old_tensorboard_flag_says_wh
     assert load_config(["--report_to", "[tensorboard, wandb]"]).report_to == ["tensorboard", "wandb"]
     with pytest.raises(ConfigError, match=r"report_to_tensorboard: replaced by report_to: write report_to: \[tensorboard\]"):
         load_config(["--report_to_tensorboard", "true"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipe/configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(["--config", str(path)], world_size=2)
+    assert cfg.max_steps >= 1

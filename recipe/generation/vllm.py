@@ -226,7 +226,10 @@ class VLLMGenerator:
         return counter[0]
 
     def sync(self, engine) -> None:
-        """Load the engine's current policy into vLLM (collective: every rank calls it together)."""
+        """Load the engine's current policy into vLLM (collective: every rank calls it together). A no-op when
+        vLLM already has it (an evaluation at the end of a rollout synced it), the same on every rank."""
+        if self.synced_step == engine.global_steps and self.syncs > 0:
+            return
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
