@@ -27,7 +27,7 @@ LORA_SYNC_MODES = ("merged", "adapter")  # how a LoRA policy reaches vLLM (gener
 DATA_SUFFIXES = {".jsonl", ".json", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow", ".txt", ".xml",
                  ".gz", ".bz2", ".xz", ".zst", ".zip"}
 MAX_SEED = 2**31 - 1
-LR_SCHEDULES = ("constant", "linear", "cosine")
+LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 TRACKERS = ("tensorboard", "wandb", "none")
 
 
@@ -125,7 +125,8 @@ class Config:
     skip_nonfinite_steps: int = opt(0, "steps with a non-finite loss or gradient norm (not applied) the run may "
                                     "skip before it stops; 0 = stop at the first")
     # learning-rate schedule (transformers' formulas), stepped once per optimizer step, saved with checkpoints
-    lr_scheduler_type: str = opt("constant", "constant, linear (to 0) or cosine (to min_lr_ratio x learning_rate)")
+    lr_scheduler_type: str = opt("constant", "constant, constant_with_warmup, linear (to 0) or cosine (to min_lr_ratio "
+                                 "x learning_rate)")
     warmup_steps: int = opt(0, "linear warmup from 0 over this many optimizer steps (or warmup_ratio)")
     warmup_ratio: float = opt(0.0, "linear warmup over this share of max_steps, rounded up (or warmup_steps)")
     min_lr_ratio: float = opt(0.0, "cosine only: the final learning rate as a share of learning_rate")
@@ -451,6 +452,8 @@ def validate_schedule_eval_trackers(cfg: Config) -> None:
     need(0.0 <= cfg.warmup_ratio < 1.0, f"warmup_ratio: must be in [0, 1), got {cfg.warmup_ratio}")
     need(cfg.warmup_steps == 0 or cfg.warmup_ratio == 0.0,
          f"warmup_ratio: give warmup_steps ({cfg.warmup_steps}) or warmup_ratio ({cfg.warmup_ratio}), not both")
+    need(cfg.lr_scheduler_type != "constant" or cfg.warmup_steps == cfg.warmup_ratio == 0,  # TRL's meaning
+         "lr_scheduler_type: constant has no warmup (transformers ignores one); use constant_with_warmup")
     need(0.0 <= cfg.min_lr_ratio <= 1.0, f"min_lr_ratio: must be in [0, 1], got {cfg.min_lr_ratio}")
     need(cfg.min_lr_ratio == 0.0 or cfg.lr_scheduler_type == "cosine",
          f"min_lr_ratio: applies to lr_scheduler_type cosine only, got {cfg.lr_scheduler_type!r}")

@@ -1,5 +1,8 @@
 """The learning-rate schedule: constant, linear or cosine (to a minimum ratio), after a linear warmup.
 
+The names mean what they mean in transformers (and so in TRL): `constant` has no warmup (transformers ignores
+one; here a warmup with it is refused), `constant_with_warmup` has one.
+
 The formulas are transformers' (`get_constant_schedule_with_warmup`, `get_linear_schedule_with_warmup`,
 `get_cosine_with_min_lr_schedule_with_warmup`), so a TRL config's schedule means the same here: the factor of
 optimizer step k (0-based) is `lr_factor(k, ...)`; the first warmup step therefore runs at 0.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+
 def warmup_steps(cfg) -> int:
     """Warmup length in optimizer steps: `warmup_steps`, or `warmup_ratio` of `max_steps` rounded up (as in HF)."""
     return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * cfg.max_steps)
@@ -20,7 +24,7 @@ def lr_factor(step: int, kind: str, total: int, warmup: int, min_ratio: float = 
     """The learning rate of 0-based optimizer step `step`, as a fraction of `learning_rate`."""
     if step < warmup:
         return step / max(1, warmup)
-    if kind == "constant":
+    if kind in ("constant", "constant_with_warmup"):
         return 1.0
     progress = (step - warmup) / max(1, total - warmup)
     if kind == "linear":
@@ -48,4 +52,4 @@ def lr_scheduler(cfg):
 
 def depends_on_max_steps(cfg) -> bool:
     """Whether the learning rate of a step depends on `max_steps` (a decay's length, or a warmup ratio)."""
-    return cfg.lr_scheduler_type != "constant" or (cfg.warmup_steps == 0 and cfg.warmup_ratio > 0)
+    return cfg.lr_scheduler_type in ("linear", "cosine") or (cfg.warmup_steps == 0 and cfg.warmup_ratio > 0)

@@ -48,8 +48,10 @@ def test_derived_sizes():
     (["--chat_template_kwargs", "[1]"], "chat_template_kwargs: expected a mapping", "fields"),
     (["--learning_rate", "abc"], "learning_rate: expected float", "fields"),
     (["--per_device_train_batch_size", "0"], "per_device_train_batch_size: must be >= 1", "fields"),
-    (["--lr_scheduler_type", "cosine_with_restarts"], "lr_scheduler_type: must be one of constant, linear, cosine",
-     "fields"),
+    (["--lr_scheduler_type", "cosine_with_restarts"], "lr_scheduler_type: must be one of constant, "
+     "constant_with_warmup, linear, cosine", "fields"),
+    (["--warmup_steps", "3"], "lr_scheduler_type: constant has no warmup (transformers ignores one); use "
+     "constant_with_warmup", "fields"),
     (["--warmup_steps", "3", "--warmup_ratio", "0.1"], "warmup_ratio: give warmup_steps (3) or warmup_ratio", "fields"),
     (["--warmup_ratio", "1.5"], "warmup_ratio: must be in [0, 1)", "fields"),
     (["--min_lr_ratio", "0.1"], "min_lr_ratio: applies to lr_scheduler_type cosine only", "fields"),
@@ -201,7 +203,8 @@ def test_report_to_takes_a_list_or_one_name_and_the_old_tensorboard_flag_says_wh
     assert load_config([]).report_to == ["none"]
     assert load_config(["--report_to", "wandb"]).report_to == ["wandb"]
     assert load_config(["--report_to", "[tensorboard, wandb]"]).report_to == ["tensorboard", "wandb"]
-    with pytest.raises(ConfigError, match=r"report_to_tensorboard: replaced by report_to: write report_to: \[tensorboard\]"):
+    with pytest.raises(ConfigError, match=r"report_to_tensorboard: replaced by report_to: write report_to: "
+                                          r"\[tensorboard\]"):
         load_config(["--report_to_tensorboard", "true"])
 
 
