@@ -52,7 +52,8 @@ class Evaluator:
         n = 1 if greedy else cfg.eval_num_generations
         name = "greedy" if greedy else "sampled"
         names = [f.name for f in self.funcs]
-        keys = ["weight", "reward", "completion_length", *(f"reward/{k}" for k in names), *(f"applies/{k}" for k in names)]
+        keys = ["weight", "reward", "completion_length", *(f"reward/{k}" for k in names),
+                *(f"applies/{k}" for k in names)]
         sums = {k: torch.zeros((), dtype=torch.float64) for k in keys}
         size, error = cfg.per_device_eval_batch_size, None
         for start in range(0, self.per_rank, size):

@@ -153,7 +153,8 @@ def test_max_steps_may_change_unless_the_schedule_depends_on_it(tmp_path):
     warm = {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 3}
     check(Config(max_steps=10, **warm), Config(max_steps=50, **warm, eval_steps=5, eval_dataset_name="e.jsonl",
                                                report_to=["tensorboard"], log_completions_steps=2))
-    for schedule in ({"lr_scheduler_type": "linear"}, {"lr_scheduler_type": "constant_with_warmup", "warmup_ratio": 0.1}):
+    for schedule in ({"lr_scheduler_type": "linear"},
+                     {"lr_scheduler_type": "constant_with_warmup", "warmup_ratio": 0.1}):
         with pytest.raises(CheckpointError, match="max_steps: 10 -> 50 .it sets the length"):
             check(Config(max_steps=10, **schedule), Config(max_steps=50, **schedule))
     with pytest.raises(CheckpointError, match="eval_holdout_size: 0 -> 4"):  # it changes the training prompts

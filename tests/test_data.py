@@ -250,7 +250,8 @@ def test_eval_prompts_from_their_own_file_or_held_out_of_the_train_set(tmp_path,
     ds, ev = load_datasets(cfg_for(train, eval_holdout_size=4))
     again = load_datasets(cfg_for(train, eval_holdout_size=4))[1]
     assert len(ds) == 6 and len(ev) == 4 and list(ev["prompt"]) == list(again["prompt"])  # fixed by the seed
-    assert sorted(list(ds["prompt"]) + list(ev["prompt"])) == sorted(f"train {i}" for i in range(10))  # a split, no overlap
+    # a split, no overlap
+    assert sorted(list(ds["prompt"]) + list(ev["prompt"])) == sorted(f"train {i}" for i in range(10))
     assert list(load_datasets(cfg_for(train, eval_holdout_size=4, seed=7))[1]["prompt"]) != list(ev["prompt"])
     # eval rows are formatted and truncated like training prompts
     stream = PromptStream(ev, tok, cfg_for(train, max_prompt_length=2), 0, 1)

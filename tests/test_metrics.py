@@ -59,7 +59,8 @@ def test_completion_samples_are_rows_with_rewards_and_advantages_and_resume_cuts
 
     prompts, texts = ["p0", "p0", "p1", "p1"], ["a", "bb", "ccc", "dddd"]
     rewards, adv = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0.7, -0.7, 0.0, 0.0])
-    per_func = {"length": torch.tensor([-1.0, -2.0, -3.0, -4.0]), "accuracy": torch.tensor([1.0, 0.0, float("nan"), 1.0])}
+    per_func = {"length": torch.tensor([-1.0, -2.0, -3.0, -4.0]),
+                "accuracy": torch.tensor([1.0, 0.0, float("nan"), 1.0])}
     rows = sample_rows(5, prompts, texts, rewards, per_func, adv, count=3)
     assert rows[1] == {"generation": 5, "prompt": "p0", "completion": "bb", "reward": 0.0, "reward/length": -2.0,
                        "reward/accuracy": 0.0, "advantage": pytest.approx(-0.7)}

@@ -143,7 +143,8 @@ FEATURES = ["--config", QUICKSTART, "--max_steps", "6", "--per_device_train_batc
             "--eval_holdout_size", "5", "--zero_std_filter", "true", "--save_steps", "2", "--save_total_limit", "0"]
 EVAL_ON = ["--eval_steps", "2", "--eval_on_start", "true", "--eval_num_generations", "2",
            "--per_device_eval_batch_size", "2", "--log_completions_steps", "3", "--num_prompts_to_log", "1",
-           "--report_to", "[tensorboard, wandb]", "--run_name", "e2e", "--logging_steps", "5", "--disable_tqdm", "false"]
+           "--report_to", "[tensorboard, wandb]", "--run_name", "e2e", "--logging_steps", "5",
+           "--disable_tqdm", "false"]
 TRAINING_ONLY = {"tokens_per_s", "step_time_s"}  # timings differ run to run
 
 
