@@ -143,14 +143,14 @@ def test_zero3_two_ranks_mu2_equals_single_process_reference(tmp_path, tiny_mode
               "gradient_accumulation_steps": 2} for lt in LOSS_TYPES]
     shape = {"num_iterations": 2, "optimizer_steps_per_pass": 2, "gradient_accumulation_steps": 2}
     cases.append({"name": "kl", "loss_type": "grpo", **shape, "beta": 0.1})
-    # a schedule: DeepSpeed must step it once per optimizer step (2 micro-batches each), as transformers' does
-    cases.append({"name": "cosine", "loss_type": "grpo", **shape, "lr_scheduler_type": "cosine", "warmup_steps": 1,
-                  "max_steps": 4, "min_lr_ratio": 0.1})
     # zero_std_filter: global groups 1 and 2 (one on each rank) have all-equal rewards and are left out
     cases.append({"name": "filter_dapo", "loss_type": "dapo", **shape, "zero_std_filter": True,
                   "zero_std_groups": [1, 2]})
-    cases.append({"name": "filter_grpo_kl", "loss_type": "grpo", **shape, "beta": 0.1, "zero_std_filter": True,
-                  "zero_std_groups": [1, 2]})
+    # ... with a sequence-level loss, KL and a schedule, which DeepSpeed must step once per optimizer step (2
+    # micro-batches each), as transformers' scheduler does in the reference
+    cases.append({"name": "filter_grpo_kl_cosine", "loss_type": "grpo", **shape, "beta": 0.1, "zero_std_filter": True,
+                  "zero_std_groups": [1, 2], "lr_scheduler_type": "cosine", "warmup_steps": 1, "max_steps": 4,
+                  "min_lr_ratio": 0.1})
     # ... and with no such group, the filter changes nothing, to the bit
     cases.append({"name": "filter_dapo_none", "loss_type": "dapo", **shape, "zero_std_filter": True})
     got = run_cases(tmp_path, 2, [dict(c) for c in cases], "parity")
@@ -192,8 +192,7 @@ def test_same_update_on_1x4_and_2x2_micro_batch_splits(tmp_path):
     advantages computed from rewards as train.py does, per reward scaling (`batch`: the std of the whole batch,
     over all ranks); and with zero_std_filter leaving group 0 out, which on 2 ranks is all of rank 0's samples
     (it trains fillers only)."""
-    filtered = {f"{lt}_filter": {"loss_type": lt, "zero_std_filter": True, "zero_std_groups": [0]}
-                for lt in ("grpo", "dapo")}
+    filtered = {"dapo_filter": {"loss_type": "dapo", "zero_std_filter": True, "zero_std_groups": [0]}}
     variants = {lt: {"loss_type": lt} for lt in LOSS_TYPES} | filtered
     variants = {n: {**v, "num_iterations": 2} for n, v in variants.items()}
     variants |= {f"scale_{s}": {"scale_rewards": s, "from_rewards": True} for s in SCALES}
@@ -210,8 +209,7 @@ def test_same_update_on_1x4_and_2x2_micro_batch_splits(tmp_path):
         assert got1[name]["old_logp_forwards"] == 0 and got2[name]["old_logp_forwards"] == 0
         if not variants[name].get("from_rewards"):  # mu = 2: each trained sample's old log-probs stored once
             assert got2[name]["stores"][4 * (name in filtered):].tolist() == [1] * (8 - 4 * (name in filtered))
-    for lt in ("grpo", "dapo"):  # leaving the group out changed the update
-        assert max_diff(got1[lt]["state"], got1[f"{lt}_filter"]["state"]) > 1e-4
+    assert max_diff(got1["dapo"]["state"], got1["dapo_filter"]["state"]) > 1e-4  # leaving the group out changed it
     rewards = fixed_rewards(8)
     for s in SCALES:
         name = f"scale_{s}"
