@@ -116,10 +116,10 @@ def test_sigusr1_in_a_plain_process_exits_with_the_documented_code(tmp_path):
 @pytest.mark.slow
 def test_truncated_checkpoint_is_skipped_and_previous_used(tmp_path, uninterrupted):
     out = tmp_path / "out"
-    # the reference run's checkpoints at 3, 6, 9 (a shorter run would have another cosine schedule) and its metrics
-    shutil.copytree(uninterrupted / "checkpoints", out / "checkpoints",
-                    ignore=lambda folder, names: [n for n in names if n == "step-00000012"])
-    shutil.copy(uninterrupted / "metrics.jsonl", out / "metrics.jsonl")
+    # the reference run's folder as it was at step 9, checkpoints at 3, 6, 9 with its metrics and run record (a
+    # 9-step run would have another cosine schedule)
+    shutil.copytree(uninterrupted, out, ignore=lambda folder, names: [
+        n for n in names if n in ("step-00000012", "final", "run.lock")])
     newest = out / "checkpoints" / "step-00000009"
     victim = newest / "loop_rank1.pt"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a save cut off mid-write
