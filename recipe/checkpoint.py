@@ -33,9 +33,10 @@ from recipe.engine import first_error
 from recipe.outdir import in_lineage
 
 # Fields that may change between a run and its resumption; every other field must match.
+# (hf_generation_gather: both modes generate the same tokens; a resumed run may need the other's memory.)
 MUTABLE_FIELDS = {"max_steps", "logging_steps", "report_to_tensorboard", "disable_tqdm", "output_dir",
                   "resume_from_checkpoint", "save_steps", "save_total_limit", "overwrite_output_dir",
-                  "collective_timeout_s", "skip_nonfinite_steps"}
+                  "collective_timeout_s", "skip_nonfinite_steps", "hf_generation_gather"}
 
 
 class CheckpointError(RuntimeError):

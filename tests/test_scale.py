@@ -1,0 +1,81 @@
+"""Large-model paths on real gloo ranks: partitioned loading, per-layer generation, bf16 training; config errors."""
+import pytest
+import torch
+
+from conftest import REPO, torchrun
+from dist_update import BASE
+from recipe import engine as eng
+from recipe.config import Config, ConfigError, load_config
+from recipe.preflight import check_bf16, preflight
+
+QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One 2-rank run of tests/dist_scale.py (about 35 s), shared by the tests below."""
+    out = tmp_path_factory.mktemp("scale") / "scale.pt"
+    torchrun(2, ["tests/dist_scale.py", str(out)])
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.slow
+def test_partitioned_loading_gives_todays_weights_and_no_rank_holds_the_model(run, tiny_model_dir):
+    assert run["world"] == 2 and run["partitioned_on_every_rank"]
+    for peft in (False, True):
+        # today's loading: from_pretrained of the whole model (then the LoRA wrap), in one process
+        today = eng.load_model(str(tiny_model_dir), Config(**{**BASE, "use_peft": peft, "lora_r": 4, "lora_alpha": 8}))
+        got = run["loading"]["zero3_lora" if peft else "zero3"]["state"]
+        want = dict(today.named_parameters())
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k].detach()) for k in want), f"use_peft={peft}: weights differ"
+    assert run["loading"]["zero3_offload"]["engine_ok"]
+
+
+@pytest.mark.slow
+def test_per_layer_generation_gives_the_same_tokens_with_a_fraction_gathered(run):
+    for rank, g in enumerate(run["generation_per_rank"]):
+        assert g["full"]["greedy"] == g["per_layer"]["greedy"], f"rank {rank}: greedy tokens differ"
+        assert g["full"]["sampled"] == g["per_layer"]["sampled"], f"rank {rank}: sampled tokens differ"
+        assert len(g["full"]["sampled"]) == 4 * (1 + rank % 2)  # the ranks generated different amounts
+        # full: the whole model gathered at once; per_layer: never more than the largest module (embeddings)
+        assert g["full"]["peak_live_numel"] == g["total_numel"]
+        assert 0 < g["per_layer"]["peak_live_numel"] <= 0.2 * g["total_numel"]
+
+
+@pytest.mark.slow
+def test_bf16_trains_with_fp32_log_probs_close_to_the_fp32_run(run):
+    fp32, bf16 = run["bf16"]["fp32"], run["bf16"]["bf16"]
+    assert bf16["param_dtype"] == "torch.bfloat16" and fp32["param_dtype"] == "torch.float32"
+    assert bf16["logp_dtype"] == "torch.float32" and bf16["old_logps_dtype"] == "torch.float32"
+    a, b = fp32["old_logps"], bf16["old_logps"]
+    known = ~torch.isnan(a)
+    assert torch.equal(known, ~torch.isnan(b)) and known.any()
+    diff = (a[known] - b[known]).abs().max().item()
+    assert 0 < diff < 0.02, f"bf16 log-probs should differ from fp32 by bf16 rounding only, got {diff}"
+    # step 1's loss is -mean(A) whatever the model (ratio 1); step 2 runs on weights that bf16 updated
+    assert len(bf16["losses"]) == 2 and all(torch.isfinite(torch.tensor(bf16["losses"])))
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(torch.tensor(bf16["grad_norm"]), torch.tensor(fp32["grad_norm"]), rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("args, message, caught_by", [
+    (["--hf_generation_gather", "sometimes"], "hf_generation_gather: must be full or per_layer", "fields"),
+    (["--hf_generation_gather", "per_layer", "--generation_backend", "vllm"],
+     "hf_generation_gather: per_layer applies to generation_backend: hf", "fields"),
+    (["--hf_generation_gather", "per_layer", "--deepspeed_config", "ds_configs/zero2.json"],
+     "hf_generation_gather: per_layer needs a ZeRO-3 deepspeed_config", "preflight"),
+])
+def test_bad_scaling_config_is_named(args, message, caught_by):
+    with pytest.raises(ConfigError) as e:
+        cfg = load_config(["--config", QUICKSTART, *args])
+        assert caught_by == "preflight", "the fields alone should have been refused"
+        preflight(cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bf16_on_a_gpu_without_it_is_named():
+    check_bf16(cuda=False, supported=False, device_name="")  # CPUs emulate bf16
+    check_bf16(cuda=True, supported=True, device_name="NVIDIA H200")
+    with pytest.raises(ConfigError, match=r"^bf16: true, but Tesla V100-SXM2-32GB has no bf16 support"):
+        check_bf16(cuda=True, supported=False, device_name="Tesla V100-SXM2-32GB")
