@@ -3,12 +3,13 @@
 The model is constructed under `deepspeed.zero.Init` (each parameter is partitioned the moment its module
 exists, weight initialization skipped), then every rank copies only its own slice of each parameter from the
 memory-mapped safetensors files. Pages of the mapped files are shared page cache, not private memory, and
-a rank reads only the rows that hold its slice, so the private memory of loading is the rank's partitions:
+a rank touches only the pages of its slices, so the private memory of loading is the rank's partitions:
 1/world of the model. The values are the checkpoint's, exactly as `from_pretrained` loads them.
 
-What it cannot map one to one (no safetensors files, a hub name, a key the model does not have under any of
-its names, a shape that differs) goes through transformers' own ZeRO-3 loading instead: also partitioned,
-but every rank reads the whole checkpoint and each module is gathered while it is filled.
+A hub name is loaded from its snapshot in the hub cache. What cannot be mapped one to one (no safetensors
+files, a key the model does not have under any of its names, a shape that differs) goes through
+transformers' own ZeRO-3 loading instead: also partitioned, but every rank reads the whole checkpoint and
+each module is gathered while it is filled.
 """
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ def safetensors_files(folder: Path) -> list[Path] | None:
         return [folder / n for n in names]
     single = folder / "model.safetensors"
     return [single] if single.is_file() else None
+
+
+def local_folder(path: str) -> Path | None:
+    """A local folder as is; a hub name as its snapshot in the hub cache (config and safetensors files,
+    downloaded as from_pretrained would); None when neither works (transformers then says why)."""
+    if Path(path).is_dir():
+        return Path(path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception:  # any hub failure: from_pretrained reports it in its own words
+        return None
 
 
 @contextlib.contextmanager
@@ -139,9 +153,10 @@ def load_partitioned(path: str, ds_conf: dict, dtype: torch.dtype = torch.float3
     checkpoint; each rank reads and keeps only its partitions."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    files = safetensors_files(Path(path)) if Path(path).is_dir() else None
+    folder = local_folder(path)
+    files = safetensors_files(folder) if folder is not None else None
     if files is not None:
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(folder)
         with _no_weight_init(), _partitioning_init(ds_conf):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         model.tie_weights()  # part of the skipped init; from_pretrained ties after loading

@@ -37,7 +37,7 @@ def held_as_partitions(params, world: int) -> bool:
                for p in params)
 
 
-def loading(rank, world, path) -> dict:
+def loading(rank, world, path, bin_folder: Path) -> dict:
     res = {}
     for ds in DS_CONFIGS:
         for peft in (False, True):
@@ -55,6 +55,10 @@ def loading(rank, world, path) -> dict:
                 res[name]["engine_ok"] = eng.is_zero3(engine) and engine.zero_offload_param() is not None
                 engine.destroy()
             del model
+    # no safetensors: transformers' own ZeRO-3 loading, partitioned too
+    cfg = Config(**BASE)
+    model = eng.load_model(str(bin_folder), cfg, world)
+    res["bin"] = {"partitioned": held_as_partitions(list(model.parameters()), world), "state": gathered_state(model)}
     return res
 
 
@@ -125,7 +129,15 @@ def main():
     out = Path(sys.argv[1])
     rank, world = eng.init_distributed()
     path = eng.model_path(Config(**BASE))
-    res = {"world": world, "loading": loading(rank, world, path), "generation": generation(rank, world, path, out.parent),
+    if rank == 0:  # the tiny model as a pytorch_model.bin folder
+        from transformers import AutoModelForCausalLM
+
+        (out.parent / "bin").mkdir()
+        plain = AutoModelForCausalLM.from_pretrained(path)
+        plain.config.save_pretrained(out.parent / "bin")
+        torch.save(plain.state_dict(), out.parent / "bin" / "pytorch_model.bin")
+    dist.barrier()
+    res = {"world": world, "loading": loading(rank, world, path, out.parent / "bin"), "generation": generation(rank, world, path, out.parent),
            "bf16": bf16(rank, world)}
     flags = torch.tensor([float(all(v["partitioned"] for v in res["loading"].values()))])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)

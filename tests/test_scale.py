@@ -30,6 +30,27 @@ def test_partitioned_loading_gives_todays_weights_and_no_rank_holds_the_model(ru
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k].detach()) for k in want), f"use_peft={peft}: weights differ"
     assert run["loading"]["zero3_offload"]["engine_ok"]
+    # a checkpoint without safetensors files: transformers' ZeRO-3 loading, same weights
+    want = dict(eng.load_model(str(tiny_model_dir), Config(**BASE)).named_parameters())
+    assert all(torch.equal(run["loading"]["bin"]["state"][k], v.detach()) for k, v in want.items())
+
+
+def test_hub_name_resolves_to_its_cached_snapshot(tmp_path, monkeypatch):
+    from recipe.partitioned_load import local_folder, safetensors_files
+
+    snap = tmp_path / "models--org--tiny" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap / "model.safetensors").write_bytes(b"")
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
+    import huggingface_hub.constants as hc  # read at import: point the real hub client at this cache, offline
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    assert local_folder("org/tiny") == snap and safetensors_files(snap) == [snap / "model.safetensors"]
+    assert local_folder("org/not-cached") is None
+    assert local_folder(str(snap)) == snap
 
 
 @pytest.mark.slow
