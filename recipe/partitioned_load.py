@@ -130,12 +130,18 @@ def _copy_partition(param, src: MappedSafetensors, key: str) -> None:
             part.narrow(0, count, size - count).zero_()
 
 
-def _partitioning_init(ds_conf: dict):
-    """`deepspeed.zero.Init` without its broadcast of every new parameter from rank 0.
+def _partitioning_init(ds_conf: dict, tied_head_shape: tuple | None):
+    """`deepspeed.zero.Init` that leaves out two things loading does not need.
 
-    That broadcast makes random initial values agree across ranks; here every value is overwritten from
-    the checkpoint right after, and receiving it would materialize each whole parameter on every rank > 0
-    (the full embedding matrix, for one). Falls back to the plain Init if DeepSpeed's internals moved.
+    Its broadcast of every new parameter from rank 0: that makes random initial values agree across ranks,
+    but every value is overwritten from the checkpoint right after, and receiving it would materialize each
+    whole parameter on every rank > 0 (the full embedding matrix, for one).
+
+    Partitioning a Linear shaped like a tied output head (`tied_head_shape`): tie_weights() replaces its weight
+    with the input embeddings' right after construction, and partitioning it first would fill a partition the
+    size of the embeddings' for nothing (unpartitioned, its fresh weight is never touched, so never
+    resident). Should such a Linear not be the head, it is partitioned after the tie.
+    Falls back to the plain Init if DeepSpeed's internals moved.
     """
     import deepspeed
 
@@ -144,8 +150,19 @@ def _partitioning_init(ds_conf: dict):
             self._convert_to_deepspeed_param(param)
             param.partition()
 
-    ok = all(hasattr(deepspeed.zero.Init, m) for m in ("_zero_init_param", "_convert_to_deepspeed_param"))
+        def _post_init_method(self, module):
+            if not (isinstance(module, torch.nn.Linear) and tuple(module.weight.shape) == tied_head_shape):
+                super()._post_init_method(module)
+
+    ok = all(hasattr(deepspeed.zero.Init, m) for m in ("_zero_init_param", "_convert_to_deepspeed_param",
+                                                         "_post_init_method"))
     return (Init if ok else deepspeed.zero.Init)(config_dict_or_path=ds_conf)
+
+
+def _tied_head_shape(hf_config) -> tuple | None:
+    if getattr(hf_config, "tie_word_embeddings", False) and hasattr(hf_config, "vocab_size"):
+        return hf_config.vocab_size, hf_config.hidden_size
+    return None
 
 
 def load_partitioned(path: str, ds_conf: dict, dtype: torch.dtype = torch.float32):
@@ -157,9 +174,12 @@ def load_partitioned(path: str, ds_conf: dict, dtype: torch.dtype = torch.float3
     files = safetensors_files(folder) if folder is not None else None
     if files is not None:
         hf_config = AutoConfig.from_pretrained(folder)
-        with _no_weight_init(), _partitioning_init(ds_conf):
+        with _no_weight_init(), _partitioning_init(ds_conf, _tied_head_shape(hf_config)):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         model.tie_weights()  # part of the skipped init; from_pretrained ties after loading
+        left = [p for p in model.parameters() if not hasattr(p, "ds_id")]
+        if left:  # a Linear that looked like the head but was not tied
+            next(p for p in model.parameters() if hasattr(p, "ds_id")).convert_to_zero_parameters(param_list=left)
         mapped = [MappedSafetensors(f) for f in files]
         try:
             planned = _plan(model, mapped)

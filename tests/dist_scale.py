@@ -55,6 +55,16 @@ def loading(rank, world, path, bin_folder: Path) -> dict:
                 res[name]["engine_ok"] = eng.is_zero3(engine) and engine.zero_offload_param() is not None
                 engine.destroy()
             del model
+    # Linears that look like a tied output head but are not (the attention's square projections): left
+    # unpartitioned at construction, partitioned after the tie, loaded like the rest
+    from recipe import partitioned_load
+
+    shape_of_head = partitioned_load._tied_head_shape
+    partitioned_load._tied_head_shape = lambda hf_config: (hf_config.hidden_size, hf_config.hidden_size)
+    model = eng.load_model(path, Config(**BASE), world)
+    partitioned_load._tied_head_shape = shape_of_head
+    res["square_heads"] = {"partitioned": held_as_partitions(list(model.parameters()), world),
+                           "state": gathered_state(model)}
     # no safetensors: transformers' own ZeRO-3 loading, partitioned too
     cfg = Config(**BASE)
     model = eng.load_model(str(bin_folder), cfg, world)

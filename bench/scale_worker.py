@@ -1,0 +1,143 @@
+"""Measured parts of bench/scale.py, each in fresh processes (torchrun ranks or one plain process).
+
+    torchrun ... bench/scale_worker.py startup MODEL_DIR OUT.json before|after BETA
+    python      bench/scale_worker.py logprob  MODEL_DIR OUT.json before|after CHECKPOINTING
+    torchrun ... bench/scale_worker.py throughput MODEL_DIR OUT.json before|after
+
+"before" is today's code path, reproduced here in a few lines (the recipe keeps only the new one): loading
+the whole model with `from_pretrained` on every rank, log-probs from full-sequence logits upcast to fp32, and
+micro-batches padded to the rollout's longest prompt and completion in schedule order.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def rss_anon() -> int:
+    """Private (anonymous) resident bytes of this process: pages of mapped files are not counted."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class PeakSampler:
+    """RssAnon sampled every millisecond from a thread (torch releases the GIL in its kernels), relative to
+    the process's own level at start. `mark(name)` closes a phase: its level at start, its peak and its level
+    at the end."""
+
+    def __init__(self):
+        self.base = rss_anon()
+        self.peak, self.start, self.phases, self._stop = self.base, self.base, {}, False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, rss_anon())
+            time.sleep(0.001)
+
+    def mark(self, name: str) -> None:
+        now = rss_anon()
+        self.peak = max(self.peak, now)
+        self.phases[name] = {"start_bytes": self.start - self.base, "peak_bytes": self.peak - self.base,
+                             "end_bytes": now - self.base}
+        self.start = self.peak = now
+
+    def stop(self) -> dict:
+        self._stop = True
+        self._thread.join()
+        return {"phases": self.phases, "peak_bytes": max(p["peak_bytes"] for p in self.phases.values())}
+
+
+def config(model_dir: str, **overrides):
+    from recipe.config import Config
+
+    base = dict(model_name_or_path=model_dir, num_generations=2, per_device_train_batch_size=2, learning_rate=1e-5,
+                max_completion_length=512, max_prompt_length=64, bf16=False)
+    return Config(**{**base, **overrides})
+
+
+def todays_model(path: str):
+    """Today's load_model: the whole model on every rank, fp32, dropout off."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def warm_up_imports(model_dir: str) -> None:
+    """Import what loading imports (transformers' model code, DeepSpeed's engine), so that the baseline is
+    the process ready to load and the figures are the loading itself."""
+    import deepspeed.runtime.engine  # noqa: F401
+    import deepspeed.runtime.zero.stage3  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.from_pretrained(model_dir)
+    AutoModelForCausalLM.from_config(type(hf)(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                              num_attention_heads=1, num_key_value_heads=1))
+
+
+def startup(model_dir: str, out: str, variant: str, beta: float) -> None:
+    """Peak private memory per rank from before loading to a ready policy engine (and reference)."""
+    import deepspeed
+
+    from recipe import engine as eng
+
+    rank, world = eng.init_distributed()
+    cfg = config(model_dir, beta=beta)
+    warm_up_imports(model_dir)
+    sampler = PeakSampler()
+    if variant == "before":
+        model = todays_model(model_dir)
+        sampler.mark("policy_load")
+        engine = eng.init_engine(model, cfg, world)
+        sampler.mark("policy_engine")
+        if beta > 0:  # today's init_reference: the whole model again, then a DeepSpeed engine without optimizer
+            ref = todays_model(model_dir).requires_grad_(False)
+            ref_engine, *_ = deepspeed.initialize(model=ref, config=eng.ds_config(cfg, world, ref.config.hidden_size,
+                                                                                  train=False))
+            sampler.mark("reference")
+    else:
+        model = eng.load_model(model_dir, cfg, world)
+        sampler.mark("policy_load")
+        engine = eng.init_engine(model, cfg, world)
+        sampler.mark("policy_engine")
+        if beta > 0:
+            ref_engine = eng.init_reference(model_dir, cfg, world, engine)
+            sampler.mark("reference")
+    res = sampler.stop()
+    res.update(rank=rank, world=world, variant=variant, beta=beta,
+               model_numel=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()))
+    write_per_rank(out, rank, res)
+
+
+def write_per_rank(out: str, rank: int, res: dict) -> None:
+    Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+
+
+def main() -> None:
+    part, model_dir, out, variant, *rest = sys.argv[1:]
+    if part == "startup":
+        startup(model_dir, out, variant, float(rest[0]))
+    else:
+        raise SystemExit(f"unknown part {part}")
+    import os
+
+    os._exit(0)  # skip gloo/DeepSpeed teardown (see recipe/train.py)
+
+
+if __name__ == "__main__":
+    main()
