@@ -13,11 +13,53 @@ import torch
 SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # a unit is a sequence; step_token_mean and dapo count tokens
 
 
+LOGPS_CHUNK_ELEMENTS = 1 << 24  # fp32 elements of logits handled at once (64 MiB)
+
+
 def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / T)[ids], per token, without materializing the full log-softmax."""
-    logits = logits.float() / temperature
-    picked = torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    """fp32 log softmax(logits / T)[ids] per token: [B, C] from logits [B, L >= C, V] (position t predicts
+    ids[:, t]; positions from C on are ignored and get no gradient).
+
+    No fp32 copy of the whole [B, C, V] logits is made, forward or backward: both go a chunk of positions at
+    a time (a custom autograd function that keeps only the logits, in their own dtype, and the per-token
+    log-normalizers), and the gradient is written straight into one tensor shaped like the logits.
+    """
+    return _SelectiveLogSoftmax.apply(logits, ids, temperature)
+
+
+def _chunks(logits: torch.Tensor, length: int):
+    """(row, start, end) covering the first `length` positions of each row, about LOGPS_CHUNK_ELEMENTS each."""
+    step = max(1, LOGPS_CHUNK_ELEMENTS // logits.shape[-1])
+    for b in range(logits.shape[0]):
+        for s in range(0, length, step):
+            yield b, s, min(s + step, length)
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ids, temperature):
+        out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for b, s, e in _chunks(logits, ids.shape[1]):
+            x = logits[b, s:e].float() / temperature
+            lse[b, s:e] = torch.logsumexp(x, dim=-1)
+            out[b, s:e] = x.gather(-1, ids[b, s:e].unsqueeze(-1)).squeeze(-1) - lse[b, s:e]
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature = temperature
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, ids, lse = ctx.saved_tensors
+        t = ctx.temperature
+        grad = torch.zeros_like(logits)
+        for b, s, e in _chunks(logits, ids.shape[1]):
+            g = grad_out[b, s:e].float().unsqueeze(-1)
+            # d logp[id] / d x = onehot(id) - softmax(x), and x = logits / T
+            x = torch.exp(logits[b, s:e].float() / t - lse[b, s:e].unsqueeze(-1)).mul_(-g)
+            x.scatter_add_(-1, ids[b, s:e].unsqueeze(-1), g)
+            grad[b, s:e] = x.div_(t)
+        return grad, None, None
 
 
 STD_EPS = 1e-4  # TRL's: advantages = centered / (std + 1e-4), so runs compare side by side

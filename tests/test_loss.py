@@ -201,3 +201,36 @@ def test_loss_normalizers_are_each_loss_types_units_per_step_over_world():
     assert loss_normalizers("dapo", tokens, 8, 2).flatten().tolist() == pytest.approx([80 / 3 / 2] * 6)
     with pytest.raises(ValueError, match="loss_type"):
         loss_normalizers("ppo", tokens, 8, 2)
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 5])  # one chunk per row; several chunks per row
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logps_equal_full_log_softmax_with_gradient(monkeypatch, chunk, temperature):
+    """The chunked selective log-softmax against the full fp32 log-softmax, values and gradients (float64 truth)."""
+    import recipe.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "LOGPS_CHUNK_ELEMENTS", chunk * 13)
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 9, 13, generator=g) * 4).requires_grad_(True)  # 9 positions, the last ignored
+    ids = torch.randint(0, 13, (3, 8), generator=g)
+    w = torch.randn(3, 8, generator=g)
+    got = token_logps(logits, ids, temperature)
+    (grad,) = torch.autograd.grad((got * w).sum(), logits)
+    full = logits.detach().double().requires_grad_(True)
+    want = torch.log_softmax(full[:, :8] / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (want_grad,) = torch.autograd.grad((want * w.double()).sum(), full)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad.double(), want_grad, atol=1e-5, rtol=0)
+    assert grad[:, 8].abs().max() == 0  # the position past the completion gets no gradient
+
+
+def test_token_logps_of_bf16_logits_are_fp32_and_keep_the_logits_dtype_for_the_gradient():
+    logits = torch.randn(2, 4, 50, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, 50, (2, 4))
+    got = token_logps(logits, ids)
+    want = torch.log_softmax(logits.detach().float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    got.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16

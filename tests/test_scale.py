@@ -3,10 +3,12 @@ import pytest
 import torch
 
 from conftest import REPO, torchrun
-from dist_update import BASE
+from dist_update import BASE, local_buffer
 from recipe import engine as eng
 from recipe.config import Config, ConfigError, load_config
 from recipe.preflight import check_bf16, preflight
+from recipe.update import forward_logps
+from test_update import ref_logps
 
 QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
 
@@ -102,3 +104,27 @@ def test_bf16_on_a_gpu_without_it_is_named():
     check_bf16(cuda=True, supported=True, device_name="NVIDIA H200")
     with pytest.raises(ConfigError, match=r"^bf16: true, but Tesla V100-SXM2-32GB has no bf16 support"):
         check_bf16(cuda=True, supported=False, device_name="Tesla V100-SXM2-32GB")
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_forward_logps_equal_the_full_logits_computation(tiny_model_dir, peft):
+    """Logits for completion positions only, selective log-softmax: the same log-probs as the whole sequence's
+    logits upcast to fp32 (plain PyTorch), also through a LoRA model, and the same gradients."""
+    cfg = Config(**{**BASE, "use_peft": peft, "lora_r": 4, "lora_alpha": 8})
+    model = eng.load_model(str(tiny_model_dir), cfg)
+    if peft:  # a non-zero adapter, so that it matters
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
+    buf = local_buffer(Config(**BASE), 0, 1)
+    idx = torch.arange(len(buf))
+    mb = buf.micro_batch(idx)
+    got = forward_logps(model, mb["input_ids"], mb["attention_mask"], mb["completion_mask"].shape[1], 1.0)
+    want = ref_logps(model, buf, idx)
+    mask = mb["completion_mask"]
+    torch.testing.assert_close(got * mask, want * mask, atol=1e-5, rtol=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g_got = torch.autograd.grad((got * mask).sum(), params)
+    g_want = torch.autograd.grad((want * mask).sum(), params)
+    assert max((a - b).abs().max().item() for a, b in zip(g_got, g_want)) < 1e-5
