@@ -103,6 +103,30 @@ def part_startup(model_dir: Path, work: Path, worlds: list[int], betas: list[flo
             "goal": GOALS["startup"], "loading_at_world_2_worst": worst, "goal_met_for_loading": worst <= 0.6}
 
 
+def part_logprob(model_dir: Path, work: Path, sizes: list[int]) -> dict:
+    """Each variant in a fresh process, with and without gradient checkpointing."""
+    import subprocess
+
+    rows = []
+    for checkpointing in (0, 1):
+        row = {"gradient_checkpointing": bool(checkpointing)}
+        for variant in ("before", "after"):
+            out = work / f"logprob_{variant}_ckpt{checkpointing}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, "bench/scale_worker.py", "logprob", str(model_dir), str(out), variant,
+                            str(checkpointing), *map(str, sizes)], cwd=REPO, check=True,
+                           env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+            r = json.loads(out.read_text())
+            row[variant] = {"peak_mib": round(r["peak_bytes"] / 2**20), "seconds": round(r["seconds"], 2)}
+            row["shape"] = {k: r[k] for k in ("batch", "prompt", "completion")}
+        row["after_over_before"] = round(row["after"]["peak_mib"] / row["before"]["peak_mib"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"unit": "peak private memory (RssAnon) of one micro-batch's forward_logps + backward, over the "
+                    "model's weights and gradients (MiB)", "rows": rows, "goal": GOALS["logprob"],
+            "goal_met": all(r["after_over_before"] <= 0.5 for r in rows)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["startup", "logprob", "throughput"])
@@ -117,6 +141,8 @@ def main() -> None:
     result = json.loads(path.read_text()) if path.exists() else {}
     if "startup" in args.parts:
         result["startup"] = part_startup(model_dir, work, [1, 2], [0.0, 0.04])
+    if "logprob" in args.parts:
+        result["logprob"] = part_logprob(model_dir, work, [2, 8, 32] if args.smoke else [2, 64, 512])
     result.update(command="python bench/scale.py", model_shape=shape, goals=GOALS, machine=machine())
     save_json("scale.json", result)
 

@@ -124,6 +124,46 @@ def startup(model_dir: str, out: str, variant: str, beta: float) -> None:
     write_per_rank(out, rank, res)
 
 
+def todays_forward_logps(model, input_ids, attention_mask, completion_len: int, temperature: float):
+    """Today's forward_logps: logits for every position, the completion slice upcast to fp32."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits
+    logits = logits[:, -completion_len - 1:-1].float() / temperature
+    ids = input_ids[:, -completion_len:]
+    return torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, batch: int = 2, prompt: int = 64,
+            completion: int = 512) -> None:
+    """Peak private memory of one micro-batch's log-prob forward and backward, over the model's weights and
+    gradients (allocated beforehand, as they are in training)."""
+    from recipe.update import forward_logps
+
+    torch.manual_seed(0)
+    model = todays_model(model_dir).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (batch, prompt + completion))
+    attn = torch.ones_like(ids)
+    fn = todays_forward_logps if variant == "before" else forward_logps
+    sampler = PeakSampler()
+    t0 = time.perf_counter()
+    logp = fn(model, ids, attn, completion, 1.0)
+    (-logp.mean()).backward()
+    seconds = time.perf_counter() - t0
+    sampler.mark("logprob_fwd_bwd")
+    res = sampler.stop()
+    res.update(variant=variant, checkpointing=checkpointing, batch=batch, prompt=prompt, completion=completion,
+               seconds=seconds, model_numel=sum(p.numel() for p in model.parameters()),
+               logits_bytes_fp32=batch * (prompt + completion) * vocab * 4)
+    Path(out).write_text(json.dumps(res))
+
+
 def write_per_rank(out: str, rank: int, res: dict) -> None:
     Path(f"{out}.rank{rank}").write_text(json.dumps(res))
 
@@ -132,6 +172,8 @@ def main() -> None:
     part, model_dir, out, variant, *rest = sys.argv[1:]
     if part == "startup":
         startup(model_dir, out, variant, float(rest[0]))
+    elif part == "logprob":
+        logprob(model_dir, out, variant, rest[0] == "1", *map(int, rest[1:]))
     else:
         raise SystemExit(f"unknown part {part}")
     import os

@@ -74,4 +74,29 @@ def test_sampling_logps_stored_and_round_tripped():
     assert again.sampling_logps.dtype == torch.float32 and torch.equal(again.sampling_logps, lps.float())
     restored = RolloutBuffer.from_state_dict(again.state_dict())
     assert torch.equal(restored.sampling_logps, again.sampling_logps)
-    assert torch.equal(restored.micro_batch(torch.tensor([2, 5]))["sampling_logps"], lps.float()[[2, 5]])
+    # samples 2 and 5 have completions of 3 and 2 tokens: the micro-batch keeps 3 columns
+    assert torch.equal(restored.micro_batch(torch.tensor([2, 5]))["sampling_logps"], lps.float()[[2, 5], :3])
+
+
+def test_each_step_trains_todays_samples_grouped_by_length():
+    """Which samples an optimizer step trains on is today's shuffle; within the step, micro-batches go from the
+    longest samples to the shortest."""
+    buf, prompts, comps = make(n=12)
+    for p in range(3):
+        todays = torch.randperm(12, generator=torch.Generator().manual_seed(3 * 1000 + p))
+        for s, step in enumerate(buf.schedule(p, steps=2, micro_batch_size=2)):
+            assert sorted(torch.cat(step).tolist()) == sorted(todays[s * 6:(s + 1) * 6].tolist())
+            lengths = [(len(comps[i]), len(prompts[i])) for i in torch.cat(step).tolist()]
+            assert lengths == sorted(lengths, reverse=True)
+
+
+def test_micro_batch_drops_columns_that_are_padding_in_all_its_samples():
+    buf, prompts, comps = make()
+    idx = torch.tensor([4, 0])  # prompts of 3 and 2 tokens (buffer width 4), completions of 1 token each
+    mb = buf.micro_batch(idx)
+    assert mb["input_ids"].shape == (2, 3 + 1) and mb["completion_mask"].shape == (2, 1)
+    assert mb["attention_mask"].tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    assert mb["input_ids"][0].tolist() == prompts[4] + comps[4] and mb["input_ids"][1, 1:].tolist() == prompts[0] + comps[0]
+    # old log-probs of a trimmed micro-batch: the columns it did not have are stored as padding (0)
+    buf.store_old_logps(idx, torch.tensor([[-1.0], [-2.0]]))
+    assert buf.old_logps[4].tolist() == [-1.0, 0, 0, 0] and buf.micro_batch(idx)["old_logps"].tolist() == [[-1.0], [-2.0]]
