@@ -76,16 +76,16 @@ def ranks(out: Path, world: int) -> list[dict]:
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
 
 
-def part_startup(model_dir: Path, work: Path, worlds: list[int], betas: list[float]) -> dict:
-    """Per rank, in units of the full fp32 model: the peak of each phase over its own starting level (what
-    loading adds: policy_load, reference) and the peak of the whole start-up."""
+def part_startup(model_dir: Path, work: Path, worlds: list[int], whats: tuple) -> dict:
+    """Per rank, in units of the full fp32 model: each phase's peak over its own starting level (what it
+    adds), and the peak of the whole start-up. `reference` alone is its own start-up (a fresh process)."""
     rows = []
     for world in worlds:
-        for beta in betas:
-            row = {"world": world, "beta": beta}
+        for what in whats:
+            row = {"world": world, "models": what, "beta": 0.0 if what == "policy" else 0.04}
             for variant in ("before", "after"):
-                out = work / f"startup_w{world}_b{beta}_{variant}.json"
-                torchrun(world, ["startup", str(model_dir), str(out), variant, str(beta)], out.with_suffix(".log"))
+                out = work / f"startup_w{world}_{what}_{variant}.json"
+                torchrun(world, ["startup", str(model_dir), str(out), variant, what], out.with_suffix(".log"))
                 per_rank = ranks(out, world)
                 fp32 = per_rank[0]["model_numel"] * 4
 
@@ -97,24 +97,25 @@ def part_startup(model_dir: Path, work: Path, worlds: list[int], betas: list[flo
                                                      for r in per_rank] for name in per_rank[0]["phases"]}}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    at2 = [r for r in rows if r["world"] == 2]
-    worst = max(v for r in at2 for k in ("policy_load_added", "reference_added") for v in r["after"].get(k, []))
+    loading = [v for r in rows if r["world"] == 2 and r["models"] != "policy+reference"
+               for k in ("policy_load_added", "reference_added") for v in r["after"].get(k, [])]
     return {"unit": "x the full fp32 model's bytes, per rank (private memory: RssAnon)", "rows": rows,
-            "goal": GOALS["startup"], "loading_at_world_2_worst": worst, "goal_met_for_loading": worst <= 0.6}
+            "goal": GOALS["startup"], "loading_at_world_2_worst": max(loading, default=None),
+            "goal_met_for_loading": bool(loading) and max(loading) <= 0.6}
 
 
-def part_logprob(model_dir: Path, work: Path, sizes: list[int]) -> dict:
+def part_logprob(model_dir: Path, work: Path, sizes: list[int], checkpointing: tuple = (0, 1)) -> dict:
     """Each variant in a fresh process, with and without gradient checkpointing."""
     import subprocess
 
     rows = []
-    for checkpointing in (0, 1):
-        row = {"gradient_checkpointing": bool(checkpointing)}
+    for ckpt in checkpointing:
+        row = {"gradient_checkpointing": bool(ckpt)}
         for variant in ("before", "after"):
-            out = work / f"logprob_{variant}_ckpt{checkpointing}.json"
+            out = work / f"logprob_{variant}_ckpt{ckpt}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run([sys.executable, "bench/scale_worker.py", "logprob", str(model_dir), str(out), variant,
-                            str(checkpointing), *map(str, sizes)], cwd=REPO, check=True,
+                            str(ckpt), *map(str, sizes)], cwd=REPO, check=True,
                            env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
             r = json.loads(out.read_text())
             row[variant] = {"peak_mib": round(r["peak_bytes"] / 2**20), "seconds": round(r["seconds"], 2)}
@@ -127,11 +128,75 @@ def part_logprob(model_dir: Path, work: Path, sizes: list[int]) -> dict:
             "goal_met": all(r["after_over_before"] <= 0.5 for r in rows)}
 
 
+def part_throughput(model_dir: Path, work: Path, samples: int, micro_batch: int, max_c: int) -> dict:
+    """2 ranks, one optimizer step over each rank's rollout, each variant in fresh processes."""
+    row = {"samples_per_rank": samples, "micro_batch": micro_batch, "gradient_checkpointing": True}
+    for variant in ("before", "after"):
+        out = work / f"throughput_{variant}.json"
+        torchrun(2, ["throughput", str(model_dir), str(out), variant, str(samples), str(micro_batch), str(max_c)],
+                 out.with_suffix(".log"))
+        per_rank = ranks(out, 2)
+        slowest = max(r["seconds"] for r in per_rank)  # the step ends when the last rank's does
+        row[variant] = {"seconds": round(slowest, 2), "tokens_per_s": round(per_rank[0]["train_tokens"] / slowest, 1),
+                        "loss": per_rank[0]["loss"], "grad_norm": per_rank[0]["grad_norm"]}
+        row["train_tokens"] = per_rank[0]["train_tokens"]
+        row["completion_lengths_per_rank"] = [r["completion_lengths"] for r in per_rank]
+        row["prompt_lengths_per_rank"] = [r["prompt_lengths"] for r in per_rank]
+    row["speedup"] = round(row["after"]["tokens_per_s"] / row["before"]["tokens_per_s"], 3)
+    row["same_update"] = {"loss_abs_diff": abs(row["after"]["loss"] - row["before"]["loss"]),
+                          "grad_norm_rel_diff": abs(row["after"]["grad_norm"] / row["before"]["grad_norm"] - 1)}
+    print(json.dumps(row), flush=True)
+    return {"unit": "completion tokens (the loss's tokens, all ranks) per second of one optimizer step", "row": row,
+            "goal": GOALS["throughput"], "goal_met": row["speedup"] >= 1.5}
+
+
+def plot(result: dict, path: Path) -> None:
+    """Before/after bars for every figure in `result` (parts that were not run are left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    if "startup" in result:
+        rows = result["startup"]["rows"]
+        panels.append(("start-up, per rank (x fp32 model)",
+                       [(f"w{r['world']} {r['models']}\n{k.removesuffix('_added').replace('_', ' ')}",
+                         max(r["before"][k]), max(r["after"][k])) for r in rows
+                        for k in ("policy_load_added", "reference_added", "startup_peak")
+                        if k in r["before"] and not (k == "startup_peak" and r["models"] == "reference")]))
+    if "logprob" in result:
+        panels.append(("log-prob fwd+bwd peak (MiB)", [(f"checkpointing {'on' if r['gradient_checkpointing'] else 'off'}",
+                                                       r["before"]["peak_mib"], r["after"]["peak_mib"])
+                                                      for r in result["logprob"]["rows"]]))
+    if "throughput" in result:
+        r = result["throughput"]["row"]
+        panels.append(("training tokens/s", [("lengths 16..512", r["before"]["tokens_per_s"],
+                                              r["after"]["tokens_per_s"])]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False,
+                             gridspec_kw={"width_ratios": [max(2, len(p[1])) for p in panels]})
+    for ax, (title, bars) in zip(axes[0], panels):
+        xs = range(len(bars))
+        ax.bar([x - 0.2 for x in xs], [b for _, b, _ in bars], 0.4, label="before")
+        ax.bar([x + 0.2 for x in xs], [a for _, _, a in bars], 0.4, label="after")
+        ax.set_xticks(list(xs), [n for n, _, _ in bars], fontsize=7, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle("Qwen2.5-0.5B-shaped model, 2 CPU ranks (ZeRO-3, gloo): before and after, one run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["startup", "logprob", "throughput"])
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--replot", action="store_true", help="only redraw scale.png from scale.json")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads((RESULTS / "scale.json").read_text()), RESULTS / "scale.png")
+        return
     from recipe.tiny import cache_root
 
     shape = SMOKE if args.smoke else QWEN05B
@@ -140,11 +205,16 @@ def main() -> None:
     path = RESULTS / "scale.json"
     result = json.loads(path.read_text()) if path.exists() else {}
     if "startup" in args.parts:
-        result["startup"] = part_startup(model_dir, work, [1, 2], [0.0, 0.04])
+        result["startup"] = (part_startup(model_dir, work, [2], ("policy+reference",)) if args.smoke else
+                             part_startup(model_dir, work, [1, 2], ("policy", "policy+reference", "reference")))
     if "logprob" in args.parts:
-        result["logprob"] = part_logprob(model_dir, work, [2, 8, 32] if args.smoke else [2, 64, 512])
+        result["logprob"] = (part_logprob(model_dir, work, [2, 8, 32], (0,)) if args.smoke else
+                             part_logprob(model_dir, work, [2, 64, 512]))
+    if "throughput" in args.parts:
+        result["throughput"] = part_throughput(model_dir, work, *((4, 2, 32) if args.smoke else (8, 2, 512)))
     result.update(command="python bench/scale.py", model_shape=shape, goals=GOALS, machine=machine())
     save_json("scale.json", result)
+    plot(result, RESULTS / "scale.png")
 
 
 if __name__ == "__main__":

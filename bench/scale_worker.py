@@ -1,8 +1,8 @@
 """Measured parts of bench/scale.py, each in fresh processes (torchrun ranks or one plain process).
 
-    torchrun ... bench/scale_worker.py startup MODEL_DIR OUT.json before|after BETA
-    python      bench/scale_worker.py logprob  MODEL_DIR OUT.json before|after CHECKPOINTING
-    torchrun ... bench/scale_worker.py throughput MODEL_DIR OUT.json before|after
+    torchrun ... bench/scale_worker.py startup MODEL_DIR OUT.json before|after policy|policy+reference|reference
+    python      bench/scale_worker.py logprob  MODEL_DIR OUT.json before|after CHECKPOINTING B P C
+    torchrun ... bench/scale_worker.py throughput MODEL_DIR OUT.json before|after SAMPLES MICRO_BATCH MAX_C
 
 "before" is today's code path, reproduced here in a few lines (the recipe keeps only the new one): loading
 the whole model with `from_pretrained` on every rank, log-probs from full-sequence logits upcast to fp32, and
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 
 def rss_anon() -> int:
@@ -90,37 +90,36 @@ def warm_up_imports(model_dir: str) -> None:
                                               num_attention_heads=1, num_key_value_heads=1))
 
 
-def startup(model_dir: str, out: str, variant: str, beta: float) -> None:
-    """Peak private memory per rank from before loading to a ready policy engine (and reference)."""
+def startup(model_dir: str, out: str, variant: str, what: str) -> None:
+    """Peak private memory per rank from before loading to ready engines, phase by phase, as recipe.train's
+    setup builds them: `policy`, `policy+reference` (beta > 0), or the `reference` alone (its own cost, free
+    of what the policy's phases leave in the allocator)."""
     import deepspeed
 
     from recipe import engine as eng
 
     rank, world = eng.init_distributed()
-    cfg = config(model_dir, beta=beta)
+    cfg = config(model_dir, beta=0.04 if "reference" in what else 0.0)
     warm_up_imports(model_dir)
     sampler = PeakSampler()
-    if variant == "before":
-        model = todays_model(model_dir)
+    engine = None
+    if "policy" in what:
+        model = todays_model(model_dir) if variant == "before" else eng.load_model(model_dir, cfg, world)
         sampler.mark("policy_load")
         engine = eng.init_engine(model, cfg, world)
         sampler.mark("policy_engine")
-        if beta > 0:  # today's init_reference: the whole model again, then a DeepSpeed engine without optimizer
+    if "reference" in what:
+        if variant == "before":  # today's init_reference: the whole model again, an engine without optimizer
             ref = todays_model(model_dir).requires_grad_(False)
-            ref_engine, *_ = deepspeed.initialize(model=ref, config=eng.ds_config(cfg, world, ref.config.hidden_size,
-                                                                                  train=False))
-            sampler.mark("reference")
-    else:
-        model = eng.load_model(model_dir, cfg, world)
-        sampler.mark("policy_load")
-        engine = eng.init_engine(model, cfg, world)
-        sampler.mark("policy_engine")
-        if beta > 0:
-            ref_engine = eng.init_reference(model_dir, cfg, world, engine)
-            sampler.mark("reference")
+            ref, *_ = deepspeed.initialize(model=ref, config=eng.ds_config(cfg, world, ref.config.hidden_size,
+                                                                            train=False))
+        else:
+            ref = eng.init_reference(model_dir, cfg, world, engine)
+        sampler.mark("reference")
     res = sampler.stop()
-    res.update(rank=rank, world=world, variant=variant, beta=beta,
-               model_numel=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()))
+    module = (engine or ref).module
+    res.update(rank=rank, world=world, variant=variant, what=what,
+               model_numel=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters()))
     write_per_rank(out, rank, res)
 
 
@@ -164,6 +163,64 @@ def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, batch: 
     Path(out).write_text(json.dumps(res))
 
 
+def todays_batching():
+    """Today's micro-batches: schedule order (no grouping by length), every micro-batch as wide as the rollout."""
+    from recipe.buffer import RolloutBuffer
+
+    class TodaysBuffer(RolloutBuffer):
+        def _by_length(self, idx):
+            return idx
+
+        def micro_batch(self, idx):
+            return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
+                    "completion_mask": self.completion_mask[idx], "advantages": self.advantages[idx],
+                    "old_logps": self.old_logps[idx], "has_old_logps": self.has_old_logps[idx],
+                    "sampling_logps": self.sampling_logps[idx], "index": idx}
+
+    return TodaysBuffer
+
+
+def varied_rollout(n: int, vocab: int, seed: int, prompt=(16, 64), completion=(16, 512)):
+    """n samples: prompt and completion lengths uniform in the given ranges, random tokens and advantages."""
+    g = torch.Generator().manual_seed(seed)
+    p_lens = torch.randint(prompt[0], prompt[1] + 1, (n,), generator=g)
+    c_lens = torch.randint(completion[0], completion[1] + 1, (n,), generator=g)
+    prompts = [torch.randint(1, vocab, (int(k),), generator=g).tolist() for k in p_lens]
+    comps = [torch.randint(1, vocab, (int(k),), generator=g).tolist() for k in c_lens]
+    mask = (torch.arange(completion[1]) < c_lens.unsqueeze(1)).float()
+    return prompts, comps, torch.randn(n, generator=g), mask
+
+
+def throughput(model_dir: str, out: str, variant: str, samples: int, micro_batch: int, max_c: int) -> None:
+    """Training tokens per second of one rollout's update (one optimizer step per rank-local rollout of
+    `samples`), today's batching and log-probs against the recipe's; the rest is the recipe's own update."""
+    from gpu_check import update
+
+    from recipe import engine as eng
+    from recipe import update as upd
+    from recipe.buffer import RolloutBuffer
+
+    rank, world = eng.init_distributed()
+    cfg = config(model_dir, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=samples // micro_batch,
+                 gradient_checkpointing=True, max_completion_length=max_c)
+    buffer_cls = RolloutBuffer
+    if variant == "before":
+        upd.forward_logps, buffer_cls = todays_forward_logps, todays_batching()
+    engine = eng.init_engine(eng.load_model(model_dir, cfg, world), cfg, world)
+    prompts, comps, adv, mask = varied_rollout(samples, engine.module.config.vocab_size, seed=rank,
+                                               completion=(min(16, max_c), max_c))
+    buf = buffer_cls.build(prompts, comps, adv, mask, pad_id=0, order_seed=rank)
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    (out_step,) = update(engine, buf, cfg)
+    seconds = time.perf_counter() - t0
+    res = {"variant": variant, "rank": rank, "seconds": seconds, "loss": out_step["loss"],
+           "grad_norm": out_step.get("grad_norm"), "train_tokens": out_step["train_tokens"],
+           "tokens_per_s": out_step["train_tokens"] / seconds, "completion_lengths": [len(c) for c in comps],
+           "prompt_lengths": [len(p) for p in prompts]}
+    write_per_rank(out, rank, res)
+
+
 def write_per_rank(out: str, rank: int, res: dict) -> None:
     Path(f"{out}.rank{rank}").write_text(json.dumps(res))
 
@@ -171,7 +228,9 @@ def write_per_rank(out: str, rank: int, res: dict) -> None:
 def main() -> None:
     part, model_dir, out, variant, *rest = sys.argv[1:]
     if part == "startup":
-        startup(model_dir, out, variant, float(rest[0]))
+        startup(model_dir, out, variant, rest[0])
+    elif part == "throughput":
+        throughput(model_dir, out, variant, *map(int, rest))
     elif part == "logprob":
         logprob(model_dir, out, variant, rest[0] == "1", *map(int, rest[1:]))
     else:
