@@ -1,7 +1,7 @@
 """Measured parts of bench/scale.py, each in fresh processes (torchrun ranks or one plain process).
 
     torchrun ... bench/scale_worker.py startup MODEL_DIR OUT.json before|after policy|policy+reference|reference
-    python      bench/scale_worker.py logprob  MODEL_DIR OUT.json before|after CHECKPOINTING B P C
+    python      bench/scale_worker.py logprob  MODEL_DIR OUT.json before|after CHECKPOINTING BF16 B P C
     torchrun ... bench/scale_worker.py throughput MODEL_DIR OUT.json before|after SAMPLES MICRO_BATCH MAX_C
 
 "before" is today's code path, reproduced here in a few lines (the recipe keeps only the new one): loading
@@ -133,14 +133,16 @@ def todays_forward_logps(model, input_ids, attention_mask, completion_len: int, 
     return torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, batch: int = 2, prompt: int = 64,
-            completion: int = 512) -> None:
+def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, bf16: bool, batch: int = 2,
+            prompt: int = 64, completion: int = 512) -> None:
     """Peak private memory of one micro-batch's log-prob forward and backward, over the model's weights and
-    gradients (allocated beforehand, as they are in training)."""
+    gradients (allocated beforehand, as they are in training). bf16: the module in bf16, as DeepSpeed runs it."""
     from recipe.update import forward_logps
 
     torch.manual_seed(0)
     model = todays_model(model_dir).train()
+    if bf16:
+        model = model.to(torch.bfloat16)
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -157,7 +159,7 @@ def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, batch: 
     seconds = time.perf_counter() - t0
     sampler.mark("logprob_fwd_bwd")
     res = sampler.stop()
-    res.update(variant=variant, checkpointing=checkpointing, batch=batch, prompt=prompt, completion=completion,
+    res.update(variant=variant, checkpointing=checkpointing, bf16=bf16, batch=batch, prompt=prompt, completion=completion,
                seconds=seconds, model_numel=sum(p.numel() for p in model.parameters()),
                logits_bytes_fp32=batch * (prompt + completion) * vocab * 4)
     Path(out).write_text(json.dumps(res))
@@ -232,7 +234,7 @@ def main() -> None:
     elif part == "throughput":
         throughput(model_dir, out, variant, *map(int, rest))
     elif part == "logprob":
-        logprob(model_dir, out, variant, rest[0] == "1", *map(int, rest[1:]))
+        logprob(model_dir, out, variant, rest[0] == "1", rest[1] == "1", *map(int, rest[2:]))
     else:
         raise SystemExit(f"unknown part {part}")
     import os

@@ -16,15 +16,17 @@ SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # a unit is a sequence; step_token_mean a
 LOGPS_CHUNK_ELEMENTS = 1 << 24  # fp32 elements of logits handled at once (64 MiB)
 
 
-def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                own_logits: bool = False) -> torch.Tensor:
     """fp32 log softmax(logits / T)[ids] per token: [B, C] from logits [B, L >= C, V] (position t predicts
     ids[:, t]; positions from C on are ignored and get no gradient).
 
     No fp32 copy of the whole [B, C, V] logits is made, forward or backward: both go a chunk of positions at
     a time (a custom autograd function that keeps only the logits, in their own dtype, and the per-token
-    log-normalizers), and the gradient is written straight into one tensor shaped like the logits.
+    log-normalizers). The gradient goes into one tensor shaped like the logits; with `own_logits` (the caller
+    has no other use for them) into the logits' own memory, which the backward then overwrites.
     """
-    return _SelectiveLogSoftmax.apply(logits, ids, temperature)
+    return _SelectiveLogSoftmax.apply(logits, ids, temperature, own_logits)
 
 
 def _chunks(logits: torch.Tensor, length: int):
@@ -37,7 +39,7 @@ def _chunks(logits: torch.Tensor, length: int):
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, temperature):
+    def forward(ctx, logits, ids, temperature, own_logits):
         out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for b, s, e in _chunks(logits, ids.shape[1]):
@@ -45,21 +47,22 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             lse[b, s:e] = torch.logsumexp(x, dim=-1)
             out[b, s:e] = x.gather(-1, ids[b, s:e].unsqueeze(-1)).squeeze(-1) - lse[b, s:e]
         ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.own_logits = temperature, own_logits
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         logits, ids, lse = ctx.saved_tensors
         t = ctx.temperature
-        grad = torch.zeros_like(logits)
+        grad = logits if ctx.own_logits else torch.empty_like(logits)
         for b, s, e in _chunks(logits, ids.shape[1]):
             g = grad_out[b, s:e].float().unsqueeze(-1)
             # d logp[id] / d x = onehot(id) - softmax(x), and x = logits / T
             x = torch.exp(logits[b, s:e].float() / t - lse[b, s:e].unsqueeze(-1)).mul_(-g)
             x.scatter_add_(-1, ids[b, s:e].unsqueeze(-1), g)
-            grad[b, s:e] = x.div_(t)
-        return grad, None, None
+            grad[b, s:e] = x.div_(t)  # chunk by chunk, so each chunk is read before it is overwritten
+        grad[:, ids.shape[1]:] = 0
+        return grad, None, None, None
 
 
 STD_EPS = 1e-4  # TRL's: advantages = centered / (std + 1e-4), so runs compare side by side

@@ -203,20 +203,22 @@ def test_loss_normalizers_are_each_loss_types_units_per_step_over_world():
         loss_normalizers("ppo", tokens, 8, 2)
 
 
+@pytest.mark.parametrize("own_logits", [False, True])
 @pytest.mark.parametrize("chunk", [1 << 24, 5])  # one chunk per row; several chunks per row
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logps_equal_full_log_softmax_with_gradient(monkeypatch, chunk, temperature):
+def test_token_logps_equal_full_log_softmax_with_gradient(monkeypatch, chunk, temperature, own_logits):
     """The chunked selective log-softmax against the full fp32 log-softmax, values and gradients (float64 truth)."""
     import recipe.loss as loss_mod
 
     monkeypatch.setattr(loss_mod, "LOGPS_CHUNK_ELEMENTS", chunk * 13)
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(3, 9, 13, generator=g) * 4).requires_grad_(True)  # 9 positions, the last ignored
+    leaf = (torch.randn(3, 9, 13, generator=g) * 4).requires_grad_(True)  # 9 positions, the last ignored
     ids = torch.randint(0, 13, (3, 8), generator=g)
     w = torch.randn(3, 8, generator=g)
-    got = token_logps(logits, ids, temperature)
-    (grad,) = torch.autograd.grad((got * w).sum(), logits)
-    full = logits.detach().double().requires_grad_(True)
+    logits = leaf * 1.0  # a non-leaf, as a model's output is
+    full = leaf.detach().double().requires_grad_(True)
+    got = token_logps(logits, ids, temperature, own_logits=own_logits)
+    (grad,) = torch.autograd.grad((got * w).sum(), leaf)
     want = torch.log_softmax(full[:, :8] / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     (want_grad,) = torch.autograd.grad((want * w.double()).sum(), full)
     assert got.dtype == torch.float32
