@@ -78,15 +78,10 @@ def rollout(cfg, size: dict, vocab: int, seed: int = 0):
 
 
 def update(engine, buf, cfg) -> list[dict]:
-    """One rollout's update, as recipe.train runs it."""
-    from recipe.update import compute_old_logps, normalizers, train_step
+    """One rollout's update, as recipe.train runs it: each optimizer step's statistics."""
+    from recipe.update import train_on_rollout
 
-    compute_old_logps(engine, buf, cfg)
-    norms = normalizers(buf, cfg, 1)
-    return [train_step(engine, None, buf, mbs, norms[it, s].item(), cfg,
-                       capture_old_logps=cfg.needs_old_logps and it == 0 and s == 0)
-            for it, s, mbs in buf.optimizer_steps(cfg.num_iterations, cfg.steps_per_generation,
-                                                  cfg.per_device_train_batch_size)]
+    return [step.stats for step in train_on_rollout(engine, None, buf, cfg)]
 
 
 def train_flops(hf_config, buf) -> float:

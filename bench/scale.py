@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from common import RESULTS, free_port, machine, save_json
+from common import RESULTS, machine, rank_env, save_json, torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -63,16 +63,14 @@ def build_model(shape: dict, folder: Path) -> Path:
     return folder
 
 
-def torchrun(nproc: int, args: list[str], log: Path, **extra_env) -> None:
+def run_ranks(nproc: int, args: list[str], log: Path, **extra_env) -> None:
+    """bench/scale_worker.py ARGS as nproc CPU ranks under torchrun, its output in `log`."""
     import subprocess
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-               TOKENIZERS_PARALLELISM="false", **extra_env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "bench/scale_worker.py", *args]
+    cmd = torchrun(nproc, ["bench/scale_worker.py", *args])
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=REPO, env=rank_env(**extra_env), stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
 
@@ -90,7 +88,7 @@ def part_startup(model_dir: Path, work: Path, worlds: list[int], whats: tuple) -
             row = {"world": world, "models": what, "beta": 0.0 if what == "policy" else 0.04}
             for variant in ("before", "after"):
                 out = work / f"startup_w{world}_{what}_{variant}.json"
-                torchrun(world, ["startup", str(model_dir), str(out), variant, what], out.with_suffix(".log"),
+                run_ranks(world, ["startup", str(model_dir), str(out), variant, what], out.with_suffix(".log"),
                          **MEASURE_ENV)
                 per_rank = ranks(out, world)
                 fp32 = per_rank[0]["model_numel"] * 4
@@ -123,7 +121,7 @@ def part_logprob(model_dir: Path, work: Path, sizes: list[int], cases: tuple) ->
             out.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run([sys.executable, "bench/scale_worker.py", "logprob", str(model_dir), str(out), variant,
                             str(ckpt), str(bf16), *map(str, sizes)], cwd=REPO, check=True,
-                           env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **MEASURE_ENV))
+                           env=rank_env(**MEASURE_ENV))
             r = json.loads(out.read_text())
             row[variant] = {"peak_mib": round(r["peak_bytes"] / 2**20), "seconds": round(r["seconds"], 2)}
             row["shape"] = {k: r[k] for k in ("batch", "prompt", "completion")}
@@ -141,7 +139,7 @@ def part_throughput(model_dir: Path, work: Path, samples: int, micro_batch: int,
     row = {"samples_per_rank": samples, "micro_batch": micro_batch, "gradient_checkpointing": True}
     for variant in ("before", "after"):
         out = work / f"throughput_{variant}.json"
-        torchrun(2, ["throughput", str(model_dir), str(out), variant, str(samples), str(micro_batch), str(max_c)],
+        run_ranks(2, ["throughput", str(model_dir), str(out), variant, str(samples), str(micro_batch), str(max_c)],
                  out.with_suffix(".log"))
         per_rank = ranks(out, 2)
         slowest = max(r["seconds"] for r in per_rank)  # the step ends when the last rank's does
