@@ -147,8 +147,11 @@ def test_scale_smoke(tmp_path):
     assert all(r["logprob"]["rows"][0][v]["peak_mib"] > 0 for v in ("before", "after"))
     t = r["throughput"]["row"]
     assert t["speedup"] > 0 and t["same_update"]["grad_norm_rel_diff"] < 1e-4
-    assert set(r["goals"]) == {"startup", "logprob", "throughput"}
-    assert_plot(tmp_path / "scale.png", 3 * 6 * 110, int(4.5 * 110))  # one panel per part
+    p = r["padding"]["row"]
+    assert p["after"]["positions_through_layers"] < p["before"]["positions_through_layers"]
+    assert set(r["goals"]) == {"startup", "logprob", "throughput", "vs_trl"}
+    assert set(r["measured_at"]) == {"startup", "logprob", "padding", "throughput"}
+    assert_plot(tmp_path / "scale.png", 4 * 6 * 110, int(4.5 * 110))  # one panel per part
 
 
 @pytest.mark.slow
