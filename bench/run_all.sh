@@ -16,7 +16,7 @@ $PY reuse_regimes.py --regimes h128_short_lr3e-4 --variants 1 2 4 4+kl5e-4 --kee
 $PY breakdown.py --steps 16
 $PY memory.py --steps 6
 $PY lora_memory.py
-$PY scale.py  # about 45 minutes; peaks near 10 GiB on one rank
+$PY scale.py  # startup + logprob about 7 minutes; throughput not yet timed here; peaks near 10 GiB on one rank
 if $PY -c "import vllm" 2>/dev/null; then
   (cd .. && DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --nproc_per_node 2 bench/vllm_vs_hf.py)
   $PY lora_vllm.py
