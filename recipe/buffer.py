@@ -63,31 +63,52 @@ class RolloutBuffer:
 
     # --- schedule ---------------------------------------------------------------------
     def schedule(self, pass_index: int, steps: int, micro_batch_size: int) -> list[list[torch.Tensor]]:
-        """Sample indices per [optimizer step][micro-batch] for one pass, reshuffled per pass from the seed.
+        """Sample indices per [optimizer step][micro-batch] for one pass.
 
-        Always len(self) / (steps x micro_batch_size) micro-batches per step; only active samples (all of them,
-        unless some were left out, when micro-batches shrink evenly), each once per pass.
+        Which samples an optimizer step trains on is reshuffled per pass from the seed. Within a step, samples
+        of similar length share a micro-batch (longest first), so that trimming its all-padding columns
+        (micro_batch) leaves little padding to compute; the step's update is the same whatever the grouping,
+        since its normalizer covers the whole step. Always len(self) / (steps x micro_batch_size) micro-batches
+        per step; only active samples (all of them, unless some were left out, when micro-batches shrink
+        evenly), each once per pass.
         """
         g = torch.Generator().manual_seed(self.order_seed * 1000 + pass_index)
         order = torch.randperm(len(self), generator=g)
         per_step_mbs = max(1, len(self) // steps // micro_batch_size)
         order = order[self.active[order]]
         filler = (~self.active).nonzero().flatten()[:1]  # only needed when some are left out
-        return [[mb if len(mb) else filler for mb in step.tensor_split(per_step_mbs)]
+        return [[mb if len(mb) else filler for mb in self._by_length(step).tensor_split(per_step_mbs)]
                 for step in order.tensor_split(steps)]
+
+    def _by_length(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx ordered by completion length, then prompt length, longest first (ties keep their order)."""
+        c_len = self.attention_mask[idx, self.prompt_length:].sum(-1)
+        p_len = self.attention_mask[idx, :self.prompt_length].sum(-1)
+        key = c_len * (self.input_ids.shape[1] + 1) + p_len
+        return idx[torch.sort(key, descending=True, stable=True).indices]
 
     def plan(self, passes: int, steps: int, micro_batch_size: int) -> list[list[list[torch.Tensor]]]:
         """The whole replay schedule: sample indices per [pass][optimizer step][micro-batch]."""
         return [self.schedule(p, steps, micro_batch_size) for p in range(passes)]
 
     def micro_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
-                "completion_mask": self.completion_mask[idx], "advantages": self.advantages[idx],
-                "old_logps": self.old_logps[idx], "has_old_logps": self.has_old_logps[idx],
-                "sampling_logps": self.sampling_logps[idx], "index": idx}
+        """The samples `idx`, without the columns that are padding in all of them: the prompts' common left
+        padding and the completions' common right padding (per-token tensors are [n, width <= C])."""
+        attn = self.attention_mask[idx]
+        p = self.prompt_length
+        first = int(attn[:, :p].any(0).int().argmax()) if attn[:, :p].any() else p
+        width = max(1, int(attn[:, p:].any(0).nonzero().max()) + 1 if attn[:, p:].any() else 1)
+        cols = slice(first, p + width)
+        return {"input_ids": self.input_ids[idx, cols], "attention_mask": attn[:, cols],
+                "completion_mask": self.completion_mask[idx, :width], "advantages": self.advantages[idx],
+                "old_logps": self.old_logps[idx, :width], "has_old_logps": self.has_old_logps[idx],
+                "sampling_logps": self.sampling_logps[idx, :width], "index": idx}
 
     def store_old_logps(self, idx: torch.Tensor, logps: torch.Tensor) -> None:
-        self.old_logps[idx] = logps.detach().float().cpu()
+        """Old log-probs of a (trimmed) micro-batch; the columns it did not have are padding: stored as 0."""
+        full = torch.zeros(len(idx), self.completion_mask.shape[1])
+        full[:, :logps.shape[1]] = logps.detach().float().cpu()
+        self.old_logps[idx] = full
         self.has_old_logps[idx] = True
 
     def token_counts(self, plan: list[list[list[torch.Tensor]]]) -> torch.Tensor:

@@ -77,6 +77,8 @@ class Config:
     max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens")
     # --- generation --------------------------------------------------------------------
     generation_backend: str = opt("hf", "hf (transformers generate on the training weights) or vllm (colocated engine)")
+    hf_generation_gather: str = opt("full", "hf under ZeRO-3: full = gather the whole model once per rollout (fast; "
+                                    "it must fit one device), per_layer = ZeRO-3 gathers each layer as it runs")
     num_generations: int = opt(8, "G: completions per prompt (a group; all G are generated on one rank)")
     max_completion_length: int = opt(64, "new tokens per completion at most")
     temperature: float = opt(1.0, "sampling temperature (the trainer scores the same softmax(logits / T))")
@@ -399,6 +401,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          f"generation_backend: must be hf or vllm, got {cfg.generation_backend!r}")
     need(cfg.vllm_lora_sync in LORA_SYNC_MODES,
          f"vllm_lora_sync: must be one of {', '.join(LORA_SYNC_MODES)}, got {cfg.vllm_lora_sync!r}")
+    need(cfg.hf_generation_gather in ("full", "per_layer"),
+         f"hf_generation_gather: must be full or per_layer, got {cfg.hf_generation_gather!r}")
+    need(cfg.hf_generation_gather == "full" or cfg.generation_backend == "hf",
+         f"hf_generation_gather: per_layer applies to generation_backend: hf; {cfg.generation_backend} "
+         f"holds its own copy of the weights")
     need(str(cfg.bf16).lower() in ("auto", "true", "false"), f"bf16: must be auto, true or false, got {cfg.bf16!r}")
     need(str(cfg.chat_template).lower() in ("auto", "true", "false"),
          f"chat_template: must be auto, true or false, got {cfg.chat_template!r}")

@@ -13,34 +13,72 @@ import torch
 SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # a unit is a sequence; step_token_mean and dapo count tokens
 
 
-ENTROPY_CHUNK_ELEMENTS = 1 << 24  # logits elements whose softmax is held at once for the entropy (64 MiB fp32)
+LOGPS_CHUNK_ELEMENTS = 1 << 24  # fp32 elements of logits handled at once (64 MiB)
 
 
-def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, own_logits: bool = False,
                 with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(logits / T)[ids], per token, without materializing the full log-softmax.
+    """fp32 log softmax(logits / T)[ids] per token: [B, C] from logits [B, L >= C, V] (position t predicts
+    ids[:, t]; positions from C on are ignored and get no gradient).
 
-    `with_entropy` also returns each position's entropy of softmax(logits / T) (no gradient), from the same
-    logits and log-normalizer: a metric the training forward gets for free.
+    No fp32 copy of the whole [B, C, V] logits is made, forward or backward: both go a chunk of positions at
+    a time (a custom autograd function that keeps only the logits, in their own dtype, and the per-token
+    log-normalizers). The gradient goes into one tensor shaped like the logits; with `own_logits` (the caller
+    has no other use for them) into the logits' own memory, which the backward then overwrites.
+    `with_entropy` also returns each position's entropy of softmax(logits / T) (no gradient): a metric the
+    training forward's logits give for one more read.
     """
-    logits = logits.float() / temperature
-    picked = torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1)
-    lse = torch.logsumexp(logits, dim=-1)
+    logps = _SelectiveLogSoftmax.apply(logits, ids, temperature, own_logits)
     if not with_entropy:
-        return picked - lse
-    return picked - lse, _entropy(logits.detach(), lse.detach())
+        return logps
+    return logps, token_entropy(logits.detach(), ids.shape[1], temperature)
 
 
 @torch.no_grad()
-def _entropy(scaled_logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """H = lse - sum(p * x) per position, p = softmax(x), a chunk of positions at a time (bounded memory)."""
-    flat, lse_flat = scaled_logits.reshape(-1, scaled_logits.shape[-1]), lse.reshape(-1)
-    out = torch.empty_like(lse_flat)
-    step = max(1, ENTROPY_CHUNK_ELEMENTS // flat.shape[-1])
-    for s in range(0, flat.shape[0], step):
-        x, z = flat[s:s + step], lse_flat[s:s + step]
-        out[s:s + step] = z - (torch.exp(x - z.unsqueeze(-1)) * x).sum(-1)
-    return out.view_as(lse)
+def token_entropy(logits: torch.Tensor, length: int, temperature: float = 1.0) -> torch.Tensor:
+    """H = lse - sum(p * x), p = softmax(x), x = logits / T, at the first `length` positions, chunk by chunk."""
+    out = torch.empty(logits.shape[0], length, dtype=torch.float32, device=logits.device)
+    for b, s, e in _chunks(logits, length):
+        x = logits[b, s:e].float() / temperature
+        z = torch.logsumexp(x, dim=-1, keepdim=True)
+        out[b, s:e] = (z - (torch.exp(x - z) * x).sum(-1, keepdim=True)).squeeze(-1)
+    return out
+
+
+def _chunks(logits: torch.Tensor, length: int):
+    """(row, start, end) covering the first `length` positions of each row, about LOGPS_CHUNK_ELEMENTS each."""
+    step = max(1, LOGPS_CHUNK_ELEMENTS // logits.shape[-1])
+    for b in range(logits.shape[0]):
+        for s in range(0, length, step):
+            yield b, s, min(s + step, length)
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, own_logits):
+        out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for b, s, e in _chunks(logits, ids.shape[1]):
+            x = logits[b, s:e].float() / temperature
+            lse[b, s:e] = torch.logsumexp(x, dim=-1)
+            out[b, s:e] = x.gather(-1, ids[b, s:e].unsqueeze(-1)).squeeze(-1) - lse[b, s:e]
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature, ctx.own_logits = temperature, own_logits
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, ids, lse = ctx.saved_tensors
+        t = ctx.temperature
+        grad = logits if ctx.own_logits else torch.empty_like(logits)
+        for b, s, e in _chunks(logits, ids.shape[1]):
+            g = grad_out[b, s:e].float().unsqueeze(-1)
+            # d logp[id] / d x = onehot(id) - softmax(x), and x = logits / T
+            x = torch.exp(logits[b, s:e].float() / t - lse[b, s:e].unsqueeze(-1)).mul_(-g)
+            x.scatter_add_(-1, ids[b, s:e].unsqueeze(-1), g)
+            grad[b, s:e] = x.div_(t)  # chunk by chunk, so each chunk is read before it is overwritten
+        grad[:, ids.shape[1]:] = 0
+        return grad, None, None, None
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ group starts, so that a missing file or an unusable backend costs a one-line Con
 `config.py` checks the fields on their own; this step asks the rest of the machine: do the files exist (the
 DeepSpeed config parses, a resume folder is there), is the model there (a built-in one is built here, once,
 before any rank needs it; a local folder holds a model; a hub name must be cached or on the reachable hub), can
-the output folder be written and hold a checkpoint, can vLLM serve the model here, do the reward functions import.
+the output folder be written and hold a checkpoint, can vLLM serve the model here, do the reward functions import,
+does the DeepSpeed config shard what per-layer generation gathers, can the GPU do bf16.
 """
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ HUB_PROBE_S = 5.0  # how long the hub may take to answer before it counts as unr
 def preflight(cfg: Config) -> None:
     """Raise a ConfigError naming the field whose file, model, backend or reward function is unusable here."""
     ds = deepspeed_json(cfg.deepspeed_config)
+    if cfg.hf_generation_gather == "per_layer":
+        stage = ds.get("zero_optimization", {}).get("stage", 0)
+        need(stage == 3, f"hf_generation_gather: per_layer needs a ZeRO-3 deepspeed_config; {cfg.deepspeed_config} "
+                         f"is stage {stage}, where every rank holds all weights (use full)")
+    if str(cfg.bf16).lower() == "true":
+        cuda = torch.cuda.is_available()
+        check_bf16(cuda, cuda and torch.cuda.is_bf16_supported(), torch.cuda.get_device_name() if cuda else "")
     if looks_like_file(cfg.dataset_name):
         need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
     check_output_dir(cfg.output_dir)
@@ -121,6 +129,12 @@ def weight_count(folder: Path) -> int:
             for key in f.keys():
                 count += math.prod(f.get_slice(key).get_shape())
     return count
+
+
+def check_bf16(cuda: bool, supported: bool, device_name: str) -> None:
+    """bf16: true needs bf16 arithmetic: every CPU has it (emulated where not native), GPUs from Ampere on."""
+    need(not cuda or supported, f"bf16: true, but {device_name} has no bf16 support (compute capability < 8.0); "
+                                f"use bf16: false (fp32)")
 
 
 def model_folder(model: str) -> Path | None:

@@ -115,7 +115,7 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     if resume_from is not None:
         checkpointer.check_config(resume_from)  # before any model is loaded
     stream = PromptStream(train_prompts, tokenizer, cfg, rank, world)
-    model = eng.load_model(path, cfg)
+    model = eng.load_model(path, cfg, world)
     engine = eng.init_engine(model, cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0.0 else None
     generator = build_generator(cfg, engine, tokenizer)

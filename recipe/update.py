@@ -58,15 +58,19 @@ def check_finite(done: StepResult, step: int, skipped: int, allowed: int) -> boo
 
 def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                   temperature: float, with_entropy: bool = False):
-    """Per-token log-probs of the completion part under the sampling temperature (and with `with_entropy`, each
-    position's entropy from the same logits: (logps, entropy)).
+    """Per-token log-probs (fp32) of the completion part under the sampling temperature (and with `with_entropy`,
+    each position's entropy from the same logits: (logps, entropy)).
 
-    Position ids follow the attention mask, as in `generate`, so left padding does not shift them.
+    Position ids follow the attention mask, as in `generate`, so left padding does not shift them. The model
+    computes logits only where they predict a completion token (logits_to_keep: the prompt's positions would
+    cost a [B, P, V] slice for nothing), the last one included and ignored. Nothing else reads those logits,
+    so the backward writes their gradient over them.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
-    return token_logps(logits[:, -completion_len - 1:-1], input_ids[:, -completion_len:], temperature, with_entropy)
+                   use_cache=False, logits_to_keep=completion_len + 1).logits
+    return token_logps(logits, input_ids[:, -completion_len:], temperature, own_logits=True,
+                       with_entropy=with_entropy)
 
 
 def _to_device(mb: dict) -> dict:

@@ -83,7 +83,7 @@ def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zer
     `from_rewards`: advantages from fixed rewards as train.py computes them."""
     path = eng.model_path(cfg)
     torch.manual_seed(0)
-    engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
+    engine = eng.init_engine(eng.load_model(path, cfg, world), cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0 else None
     buf = local_buffer(cfg, rank, world, zero_std_groups=zero_std_groups)
     if from_rewards:

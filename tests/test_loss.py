@@ -211,7 +211,7 @@ def test_loss_normalizers_are_each_loss_types_units_per_step_over_world():
 def test_entropy_comes_with_the_log_probs_and_equals_the_direct_formula(temperature, monkeypatch):
     import recipe.loss as loss_mod
 
-    monkeypatch.setattr(loss_mod, "ENTROPY_CHUNK_ELEMENTS", 3 * 11)  # several chunks of positions
+    monkeypatch.setattr(loss_mod, "LOGPS_CHUNK_ELEMENTS", 3 * 11)  # several chunks of positions
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 5, 11, generator=g) * 3
     logits[0, 0, 0] = 40.0  # a near one-hot position: entropy near 0
@@ -230,3 +230,38 @@ def test_zero_std_groups_are_the_groups_whose_rewards_are_all_equal():
     assert zero_std_groups(rewards, 4).tolist() == [True, False, True]
     assert group_advantages(rewards, 4)[torch.arange(12) // 4 != 1].abs().max() == 0  # they teach nothing
     assert zero_std_groups(torch.tensor([0.3, 0.3 + 1e-7]), 2).tolist() == [False]
+
+
+@pytest.mark.parametrize("own_logits", [False, True])
+@pytest.mark.parametrize("chunk", [1 << 24, 5])  # one chunk per row; several chunks per row
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logps_equal_full_log_softmax_with_gradient(monkeypatch, chunk, temperature, own_logits):
+    """The chunked selective log-softmax against the full fp32 log-softmax, values and gradients (float64 truth)."""
+    import recipe.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "LOGPS_CHUNK_ELEMENTS", chunk * 13)
+    g = torch.Generator().manual_seed(0)
+    leaf = (torch.randn(3, 9, 13, generator=g) * 4).requires_grad_(True)  # 9 positions, the last ignored
+    ids = torch.randint(0, 13, (3, 8), generator=g)
+    w = torch.randn(3, 8, generator=g)
+    logits = leaf * 1.0  # a non-leaf, as a model's output is
+    full = leaf.detach().double().requires_grad_(True)
+    got = token_logps(logits, ids, temperature, own_logits=own_logits)
+    (grad,) = torch.autograd.grad((got * w).sum(), leaf)
+    want = torch.log_softmax(full[:, :8] / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (want_grad,) = torch.autograd.grad((want * w.double()).sum(), full)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad.double(), want_grad, atol=1e-5, rtol=0)
+    assert grad[:, 8].abs().max() == 0  # the position past the completion gets no gradient
+
+
+def test_token_logps_of_bf16_logits_are_fp32_and_keep_the_logits_dtype_for_the_gradient():
+    logits = torch.randn(2, 4, 50, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, 50, (2, 4))
+    got = token_logps(logits, ids)
+    want = torch.log_softmax(logits.detach().float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    got.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16

@@ -1,7 +1,8 @@
-"""transformers' `generate` on the training engine's own weights, gathered once per rollout."""
+"""transformers' `generate` on the training engine's own weights: gathered once per rollout, or layer by layer."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from recipe.data import left_pad
 from recipe.engine import device, gathered_for_generation
@@ -28,6 +29,9 @@ class HFGenerator:
 
         self.cfg, self.engine, self.tok = cfg, engine, tokenizer
         self.syncs = 0  # never needed: generation reads the live (gathered) parameters
+        self.per_layer = cfg.hf_generation_gather == "per_layer"
+        # per-layer gathering is collective at every forward: ranks whose samples all ended keep stepping
+        self.synced = self.per_layer and dist.is_initialized() and dist.get_world_size() > 1
         # Explicit, so a model's own generation_config.json cannot change the sampling.
         self.gen_config = GenerationConfig(
             do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -45,12 +49,13 @@ class HFGenerator:
         ids, attn = left_pad([p for p in prompt_ids for _ in range(n)], self.tok.pad_token_id)
         width, dev = ids.shape[1], device()
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
-                gathered_for_generation(self.engine) as model:
+                gathered_for_generation(self.engine, self.per_layer) as model:
             torch.manual_seed(seed)
             was_training = model.training
             model.eval()
             out = model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev),
                                  generation_config=self.greedy_config if greedy else self.gen_config,
+                                 synced_gpus=self.synced,
                                  stopping_criteria=stop_criteria(self.cfg.stop, self.tok, width))
             model.train(was_training)
         return finish(out[:, width:].tolist(), self.tok.eos_token_id, self.tok, self.cfg.max_completion_length,
