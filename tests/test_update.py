@@ -52,12 +52,12 @@ def hf_scheduler(opt, cfg: Config):
 def step_samples(bufs, cfg: Config, p: int, s: int, dropped):
     """Per rank, the samples optimizer step (p, s) trains. Without left-out samples: the buffer's schedule. With
     them (zero_std_filter): the pass's shuffled order without them, cut into optimizer_steps_per_pass even parts."""
-    spg, mbs = cfg.optimizer_steps_per_pass, cfg.per_device_train_batch_size
+    spg = cfg.optimizer_steps_per_pass
     if not cfg.zero_std_filter:
-        return [torch.cat(b.schedule(p, spg, mbs)[s]) for b in bufs]
+        return [torch.cat(b.schedule(p, spg, cfg.per_device_train_batch_size)[s]) for b in bufs]
     out = []
     for b, drop in zip(bufs, dropped):
-        order = [i for step in b.schedule(p, spg, mbs) for mb in step for i in mb.tolist()]
+        order = torch.randperm(len(b), generator=torch.Generator().manual_seed(b.order_seed * 1000 + p)).tolist()
         out.append(torch.tensor([i for i in order if not drop[i]], dtype=torch.long).tensor_split(spg)[s])
     return out
 
