@@ -2,7 +2,7 @@
 
 A regime is a learning rate and a generation share (completion length, completions per step), plus reward and
 model width for the regimes added to test the default. In each regime every variant (fixed mu = 1, 2, 4, 8, mu = 4
-with a fixed KL target, and the default `num_iterations: auto`) trains for the same budget of training time
+with a fixed KL target, and `num_iterations: auto`) trains for the same budget of training time
 (start-up excluded; process CPU seconds by default, so other jobs on the machine do not decide it), one rank,
 ZeRO-3, a tiny Qwen2 model. Variants rotate their order within each seed and `--jobs 2` runs two at once (one
 thread each), so load hits every variant alike.
@@ -78,7 +78,7 @@ REGIMES = {
                          "about": "generation-dominated, length-neutral reward (vowel share): 256 new tokens, G = 4, "
                                   "16 completions/step, lr 3e-4"},
 }
-# The map the default (num_iterations: auto) was designed on: its constant reuse_kl_scale was read off trl_lr1e-3
+# The map num_iterations: auto was designed on: its constant reuse_kl_scale was read off trl_lr1e-3
 # and long_g4_lr3e-4. The regimes below were added afterwards, to test the rule where it was not tuned.
 DESIGNED_ON = set(REGIMES)
 SPACE = [*H64, "--reward_funcs", json.dumps(["bench/regime_rewards.py:space_share"]), "--num_generations", "4",
@@ -103,7 +103,7 @@ VARIANTS = {
     "8": ["--num_iterations", "8"],
     "4+kl5e-4": ["--num_iterations", "4", "--reuse_target_kl", "5e-4"],
     "4+kl2e-3": ["--num_iterations", "4", "--reuse_target_kl", "2e-3"],
-    "auto": ["--num_iterations", "auto"],  # the default: mu decided per rollout, at most 8 (recipe/reuse.py)
+    "auto": ["--num_iterations", "auto"],  # mu decided per rollout, at most 8 (recipe/reuse.py)
 }
 RENAMED = {"4+kl": "4+kl2e-3"}  # variant names of earlier result files
 CLOCKS = {"cpu_s": "step_cpu_s", "time_s": "step_time_s"}  # a row's clock: the metrics key it sums

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate every benchmark result and plot under bench/results/ (about 100 minutes on 2 idle CPU cores).
+# Regenerate every benchmark result and plot under bench/results/ (about 150 minutes on 2 idle CPU cores).
+# The GPU check (bench/gpu_check.sh) runs on a GPU machine only.
 # Run on an otherwise idle machine: the figures are wall-clock ratios measured side by side in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +16,7 @@ $PY reuse_regimes.py --regimes h128_short_lr3e-4 --variants 1 2 4 4+kl5e-4 --kee
 $PY breakdown.py --steps 16
 $PY memory.py --steps 6
 $PY lora_memory.py
+$PY scale.py  # startup + logprob about 7 minutes; throughput not yet timed here; peaks near 10 GiB on one rank
 if $PY -c "import vllm" 2>/dev/null; then
   (cd .. && DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --nproc_per_node 2 bench/vllm_vs_hf.py)
   $PY lora_vllm.py

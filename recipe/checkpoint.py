@@ -31,11 +31,18 @@ import torch.distributed as dist
 from recipe.config import Config
 from recipe.engine import first_error
 from recipe.outdir import in_lineage
+from recipe.schedule import depends_on_max_steps
 
-# Fields that may change between a run and its resumption; every other field must match.
+# Fields that may change between a run and its resumption; every other field must match. Evaluation, samples and
+# trackers are among them: they leave the training trajectory unchanged (tested). max_steps may change only
+# while the learning-rate schedule does not depend on it. (hf_generation_gather: both modes generate the same
+# tokens; a resumed run may need the other's memory.)
 MUTABLE_FIELDS = {"max_steps", "logging_steps", "report_to_tensorboard", "disable_tqdm", "output_dir",
                   "resume_from_checkpoint", "save_steps", "save_total_limit", "overwrite_output_dir",
-                  "collective_timeout_s", "skip_nonfinite_steps"}
+                  "collective_timeout_s", "skip_nonfinite_steps", "report_to", "wandb_project", "run_name",
+                  "eval_dataset_name", "eval_dataset_split", "eval_steps", "eval_on_start", "eval_num_generations",
+                  "per_device_eval_batch_size", "log_completions_steps", "num_prompts_to_log",
+                  "hf_generation_gather"}
 
 
 class CheckpointError(RuntimeError):
@@ -365,6 +372,9 @@ class Checkpointer:
                  if k not in MUTABLE_FIELDS and saved.get(k) != now.get(k)]
         if meta["world_size"] != self.world:
             diffs.insert(0, f"world size: {meta['world_size']} -> {self.world}")
+        if saved.get("max_steps") != now["max_steps"] and depends_on_max_steps(self.cfg):
+            diffs.append(f"max_steps: {saved.get('max_steps')!r} -> {now['max_steps']!r} (it sets the length of the "
+                         f"learning-rate schedule, lr_scheduler_type {self.cfg.lr_scheduler_type})")
         if diffs:
             raise CheckpointError(f"cannot resume from {folder}: the config differs in {'; '.join(diffs)}")
 

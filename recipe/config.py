@@ -27,6 +27,8 @@ LORA_SYNC_MODES = ("merged", "adapter")  # how a LoRA policy reaches vLLM (gener
 DATA_SUFFIXES = {".jsonl", ".json", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow", ".txt", ".xml",
                  ".gz", ".bz2", ".xz", ".zst", ".zip"}
 MAX_SEED = 2**31 - 1
+LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+TRACKERS = ("tensorboard", "wandb", "none")
 
 
 class ConfigError(ValueError):
@@ -75,6 +77,8 @@ class Config:
     max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens")
     # --- generation --------------------------------------------------------------------
     generation_backend: str = opt("hf", "hf (transformers generate on the training weights) or vllm (colocated engine)")
+    hf_generation_gather: str = opt("full", "hf under ZeRO-3: full = gather the whole model once per rollout (fast; "
+                                    "it must fit one device), per_layer = ZeRO-3 gathers each layer as it runs")
     num_generations: int = opt(8, "G: completions per prompt (a group; all G are generated on one rank)")
     max_completion_length: int = opt(64, "new tokens per completion at most")
     temperature: float = opt(1.0, "sampling temperature (the trainer scores the same softmax(logits / T))")
@@ -98,7 +102,7 @@ class Config:
                              "or mappings {func, weight, kwargs, name}")
     scale_rewards: str = opt("group", "std dividing the centered rewards: group, batch (all ranks) or none")
     # --- GRPO --------------------------------------------------------------------------
-    num_iterations: int | str = opt("auto", "mu: optimizer passes over each rollout, or auto: decided after each pass")
+    num_iterations: int | str = opt(1, "mu: optimizer passes over each rollout, or auto: decided after each pass")
     epsilon: float = opt(0.2, "clip range low: ratios below 1 - epsilon are clipped")
     epsilon_high: float | None = opt(None, "clip range high (1 + epsilon_high); null = epsilon")
     beta: float = opt(0.0, "KL coefficient (k3) against the frozen reference model; 0 = no reference")
@@ -117,7 +121,7 @@ class Config:
     optimizer_steps_per_pass: int = opt(1, "optimizer steps per pass over a rollout (TRL's steps_per_generation "
                                         "counts micro-batches: it is this x gradient_accumulation_steps)")
     # --- optimizer ---------------------------------------------------------------------
-    learning_rate: float = opt(1e-6, "AdamW learning rate (constant)")
+    learning_rate: float = opt(1e-6, "AdamW peak learning rate (lr_scheduler_type shapes it over the steps)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     adam_beta1: float = opt(0.9, "AdamW beta1")
     adam_beta2: float = opt(0.999, "AdamW beta2")
@@ -126,6 +130,13 @@ class Config:
     max_steps: int = opt(100, "optimizer steps to train")
     skip_nonfinite_steps: int = opt(0, "steps with a non-finite loss or gradient norm (not applied) the run may "
                                     "skip before it stops; 0 = stop at the first")
+    # learning-rate schedule (transformers' formulas), stepped once per optimizer step, saved with checkpoints
+    lr_scheduler_type: str = opt("constant", "constant, constant_with_warmup, linear (to 0) or cosine (to min_lr_ratio "
+                                 "x learning_rate)")
+    warmup_steps: int = opt(0, "linear warmup from 0 over this many optimizer steps (or warmup_ratio)")
+    warmup_ratio: float = opt(0.0, "linear warmup over this share of max_steps, rounded up (or warmup_steps)")
+    min_lr_ratio: float = opt(0.0, "cosine only: the final learning rate as a share of learning_rate")
+    zero_std_filter: bool = opt(False, "leave groups whose rewards are all equal (advantage 0) out of the update")
     # --- run ---------------------------------------------------------------------------
     seed: int = opt(42, "seeds sampling, data order and initialization")
     output_dir: str = opt("output", "metrics.jsonl, checkpoints/ and final/ go here")
@@ -136,10 +147,23 @@ class Config:
     resume_from_checkpoint: str | None = opt(None, "auto = the newest complete checkpoint of this run in output_dir, or a step-N folder")
     overwrite_output_dir: bool = opt(False, "remove a previous run's outputs from output_dir (nothing else) "
                                       "and start afresh; excludes resume_from_checkpoint")
-    report_to_tensorboard: bool = opt(False, "also write OUTPUT_DIR/tensorboard")
     disable_tqdm: bool = opt(False, "no progress bar")
     # must exceed the longest legitimate wait between ranks (rank 0 writing the final model, a slow save)
     collective_timeout_s: float = opt(600.0, "a collective waiting longer ends the run, naming the rank that stopped")
+    # --- evaluation during training (costs no training state: the run is the same with it on or off) -------
+    eval_dataset_name: str | None = opt(None, "eval prompts: a local file or a hub name (same prompt_column)")
+    eval_dataset_split: str | None = opt(None, "its split (slices work); null = test, or for a file the whole file")
+    eval_holdout_size: int = opt(0, "or: hold this many train prompts out of training and evaluate on them")
+    eval_steps: int = opt(0, "evaluate every N optimizer steps; 0 = never")
+    eval_on_start: bool = opt(False, "also evaluate before the first step (logged as step 0)")
+    eval_num_generations: int = opt(1, "sampled completions per eval prompt, beside the greedy one")
+    per_device_eval_batch_size: int = opt(16, "eval prompts per generation call on each rank")
+    # --- samples and trackers ------------------------------------------------------------
+    log_completions_steps: int = opt(0, "every N steps, rank 0's first groups to completions.jsonl; 0 = never")
+    num_prompts_to_log: int = opt(2, "prompts per sample, each with all its num_generations completions")
+    report_to: list = opt(["none"], "trackers: tensorboard, wandb (secrets from the environment), or none")
+    wandb_project: str = opt("grpo-recipe", "the wandb project")
+    run_name: str | None = opt(None, "the tracker's run name; null = the tracker's own")
 
     # --- derived -----------------------------------------------------------------------
     @property
@@ -230,7 +254,6 @@ TRL_NAMES = {
     "reward_weights": "give each reward_funcs entry its weight: {func: NAME, weight: W}",
     "use_vllm": "generation_backend: vllm", "vllm_mode": "generation_backend: vllm (always colocated here)",
     "dataset_train_split": "dataset_split", "vllm_max_model_length": "vllm_max_model_len",
-    "report_to": "report_to_tensorboard: true (metrics.jsonl is always written)",
     "num_train_epochs": "max_steps (optimizer steps)",
     "generation_kwargs": "the sampling fields themselves (stop, ...)",
     **dict.fromkeys([f"vllm_importance_sampling_{k}" for k in ("cap", "correction", "mode", "clip_max", "clip_min")],
@@ -254,6 +277,8 @@ def unknown_key_message(key: str, values: dict) -> str:
                 + (f" = {spg} / {ga} = {spg // ga}" if exact else ""))
     if key in TRL_NAMES:
         return f"{key}: TRL's field has no equal here; use {TRL_NAMES[key]}"
+    if key == "report_to_tensorboard":  # an earlier field of this recipe
+        return f"{key}: replaced by report_to: write report_to: [tensorboard]"
     close = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(Config)], n=1, cutoff=0.6)
     return f"unknown field {key!r}" + (f": did you mean {close[0]}?" if close else " (--help lists every field)")
 
@@ -351,8 +376,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          f"num_iterations: must be an integer mu >= 1 or auto, got {cfg.num_iterations!r}")
     need(cfg.auto_reuse or cfg.num_iterations >= 1, f"num_iterations: mu must be >= 1, got {cfg.num_iterations}")
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "optimizer_steps_per_pass",
-                 "max_steps", "max_completion_length", "max_prompt_length", "logging_steps"):
+                 "max_steps", "max_completion_length", "max_prompt_length", "logging_steps", "eval_num_generations",
+                 "per_device_eval_batch_size", "num_prompts_to_log"):
         need(getattr(cfg, name) >= 1, f"{name}: must be >= 1, got {getattr(cfg, name)}")
+    for name in ("save_steps", "save_total_limit", "warmup_steps", "eval_steps", "eval_holdout_size",
+                 "log_completions_steps"):
+        need(getattr(cfg, name) >= 0, f"{name}: must be >= 0, got {getattr(cfg, name)}")
     need(cfg.completions_per_rollout % cfg.num_generations == 0,
          f"num_generations: per_device_train_batch_size x gradient_accumulation_steps x optimizer_steps_per_pass "
          f"= {cfg.completions_per_rollout} completions per rank must be divisible by num_generations = {cfg.num_generations}")
@@ -388,14 +417,18 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(0 <= cfg.seed <= MAX_SEED, f"seed: must be in [0, {MAX_SEED}], got {cfg.seed}")
     need(cfg.skip_nonfinite_steps >= 0, f"skip_nonfinite_steps: must be >= 0, got {cfg.skip_nonfinite_steps}")
     need(cfg.learning_rate > 0.0, f"learning_rate: must be > 0, got {cfg.learning_rate}")
-    need(cfg.save_steps >= 0, f"save_steps: must be >= 0, got {cfg.save_steps}")
     need(cfg.collective_timeout_s > 0, f"collective_timeout_s: must be > 0, got {cfg.collective_timeout_s}")
-    need(cfg.save_total_limit >= 0, f"save_total_limit: must be >= 0, got {cfg.save_total_limit}")
+    validate_schedule_eval_trackers(cfg)
     need(cfg.max_grad_norm >= 0.0, f"max_grad_norm: must be >= 0, got {cfg.max_grad_norm}")
     need(cfg.generation_backend in ("hf", "vllm"),
          f"generation_backend: must be hf or vllm, got {cfg.generation_backend!r}")
     need(cfg.vllm_lora_sync in LORA_SYNC_MODES,
          f"vllm_lora_sync: must be one of {', '.join(LORA_SYNC_MODES)}, got {cfg.vllm_lora_sync!r}")
+    need(cfg.hf_generation_gather in ("full", "per_layer"),
+         f"hf_generation_gather: must be full or per_layer, got {cfg.hf_generation_gather!r}")
+    need(cfg.hf_generation_gather == "full" or cfg.generation_backend == "hf",
+         f"hf_generation_gather: per_layer applies to generation_backend: hf; {cfg.generation_backend} "
+         f"holds its own copy of the weights")
     need(str(cfg.bf16).lower() in ("auto", "true", "false"), f"bf16: must be auto, true or false, got {cfg.bf16!r}")
     need(str(cfg.chat_template).lower() in ("auto", "true", "false"),
          f"chat_template: must be auto, true or false, got {cfg.chat_template!r}")
@@ -441,6 +474,26 @@ def check_sampling_is_scored(cfg: Config) -> None:
         if value != neutral:
             raise BiasedSamplingError(f"{name}: {value} is refused: {why}; use {name}: {neutral} "
                                       "(temperature is scored exactly)")
+
+
+def validate_schedule_eval_trackers(cfg: Config) -> None:
+    need(cfg.lr_scheduler_type in LR_SCHEDULES,
+         f"lr_scheduler_type: must be one of {', '.join(LR_SCHEDULES)}, got {cfg.lr_scheduler_type!r}")
+    need(0.0 <= cfg.warmup_ratio < 1.0, f"warmup_ratio: must be in [0, 1), got {cfg.warmup_ratio}")
+    need(cfg.warmup_steps == 0 or cfg.warmup_ratio == 0.0,
+         f"warmup_ratio: give warmup_steps ({cfg.warmup_steps}) or warmup_ratio ({cfg.warmup_ratio}), not both")
+    need(cfg.lr_scheduler_type != "constant" or cfg.warmup_steps == cfg.warmup_ratio == 0,  # TRL's meaning
+         "lr_scheduler_type: constant has no warmup (transformers ignores one); use constant_with_warmup")
+    need(0.0 <= cfg.min_lr_ratio <= 1.0, f"min_lr_ratio: must be in [0, 1], got {cfg.min_lr_ratio}")
+    need(cfg.min_lr_ratio == 0.0 or cfg.lr_scheduler_type == "cosine",
+         f"min_lr_ratio: applies to lr_scheduler_type cosine only, got {cfg.lr_scheduler_type!r}")
+    need(not (cfg.eval_dataset_name and cfg.eval_holdout_size),
+         "eval_holdout_size: give eval_dataset_name or eval_holdout_size, not both")
+    need(not (cfg.eval_steps or cfg.eval_on_start) or bool(cfg.eval_dataset_name or cfg.eval_holdout_size),
+         "eval_steps: evaluation needs eval prompts: set eval_dataset_name or eval_holdout_size")
+    bad = [t for t in cfg.report_to if t not in TRACKERS]
+    need(not bad, f"report_to: unknown tracker(s) {bad}; choose from {', '.join(TRACKERS)}")
+    need("none" not in cfg.report_to or len(cfg.report_to) == 1, f"report_to: none goes alone, got {cfg.report_to}")
 
 
 def validate_vllm(cfg: Config, world_size: int) -> None:

@@ -46,20 +46,27 @@ def _field_named_by(message: str) -> str:
     return "dataset_config" if "config" in low else "dataset_name"
 
 
-def load_prompt_dataset(cfg: Config):
+def load_prompt_dataset(cfg: Config, for_eval: bool = False):
     """The prompt dataset: a local file in any format `datasets` reads, a local dataset folder (data files,
-    a README.md with `configs:`, or a `save_to_disk` folder), or a hub dataset; `dataset_split` may slice."""
+    a README.md with `configs:`, or a `save_to_disk` folder), or a hub dataset; `dataset_split` may slice.
+    With `for_eval`: eval_dataset_name and eval_dataset_split (a hub one with the same dataset_config)."""
     import datasets
 
     datasets.disable_progress_bars()
     name, config, split = cfg.dataset_name, cfg.dataset_config, cfg.dataset_split
+    named = lambda f: f  # noqa: E731 (the field an error names)
+    if for_eval:
+        name, split = cfg.eval_dataset_name, cfg.eval_dataset_split
+        named = lambda f: f if f == "dataset_config" else f"eval_{f}"  # noqa: E731
     path = resolve_path(os.path.expanduser(name))
+    if split is None:  # eval_dataset_split null: a file's rows are its one split, "train"; a dataset's test split
+        split = "train" if path.is_file() else "test"
     where = f"{name!r}" + (f" config {config!r}" if config else "") + f" split {split!r}"
     try:
         if path.is_file():
-            if config:
+            if config and not for_eval:
                 raise DataError(f"dataset_config: {name} is a single file, it has no configs (got {config!r})")
-            check_not_empty(path, name)
+            check_not_empty(path, name, named("dataset_name"))
             # the folder-based loader infers the format from the file's extension (compressed ones too)
             ds = datasets.load_dataset(str(path.parent.resolve()), data_files=path.name, split=split)
         elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
@@ -70,11 +77,27 @@ def load_prompt_dataset(cfg: Config):
         raise
     except Exception as e:
         msg = _one_line(e)
-        raise DataError(f"{_field_named_by(msg)}: cannot load {where}: {type(e).__name__}: {msg}") from e
+        raise DataError(f"{named(_field_named_by(msg))}: cannot load {where}: {type(e).__name__}: {msg}") from e
     check_columns(ds, cfg.prompt_column, name)
     if len(ds) == 0:
-        raise DataError(f"dataset_split: {where} has no rows")
+        raise DataError(f"{named('dataset_split')}: {where} has no rows")
     return ds
+
+
+def load_datasets(cfg: Config):
+    """(train prompts, eval prompts or None): the eval set is eval_dataset_name, or eval_holdout_size train rows."""
+    ds = load_prompt_dataset(cfg)
+    if cfg.eval_holdout_size:
+        return hold_out(ds, cfg.eval_holdout_size, cfg.seed)
+    return ds, load_prompt_dataset(cfg, for_eval=True) if cfg.eval_dataset_name else None
+
+
+def hold_out(ds, size: int, seed: int):
+    """(train, held-out): `size` rows picked by the seed leave the train set for evaluation."""
+    if size >= len(ds):
+        raise DataError(f"eval_holdout_size: {size} leaves no training prompts (the dataset has {len(ds)} rows)")
+    perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed + 104_729)).tolist()
+    return ds.select(sorted(perm[size:])), ds.select(sorted(perm[:size]))
 
 
 def _load_saved(path, split: str):
@@ -116,11 +139,11 @@ def _holds_messages(feature) -> bool:
     return isinstance(inner, dict) and {"role", "content"} <= set(inner)
 
 
-def check_not_empty(path, name: str) -> None:
+def check_not_empty(path, name: str, field: str = "dataset_name") -> None:
     """A file with nothing in it (datasets would say only `StopIteration`)."""
     size = path.stat().st_size
     if size == 0 or size <= 1 << 16 and not path.read_bytes().strip():
-        raise DataError(f"dataset_name: {name} is empty ({size} bytes, no rows)")
+        raise DataError(f"{field}: {name} is empty ({size} bytes, no rows)")
 
 
 def uses_chat_template(tokenizer, cfg: Config) -> bool:
@@ -135,10 +158,11 @@ def uses_chat_template(tokenizer, cfg: Config) -> bool:
     return has_template and mode != "false"
 
 
-def check_prompts(ds, cfg: Config, chat: bool) -> None:
+def check_prompts(ds, cfg: Config, chat: bool, name: str | None = None) -> None:
     """Every row's prompt, when the data loads (not when a rollout uses it, inside the loop): text or chat
-    messages ({role, content}), none null or empty, chat messages only when a chat template applies them."""
-    column, name = cfg.prompt_column, cfg.dataset_name
+    messages ({role, content}), none null or empty, chat messages only when a chat template applies them.
+    `name`: the dataset the messages name (default dataset_name)."""
+    column, name = cfg.prompt_column, name or cfg.dataset_name
     start = 0
     for batch in ds.select_columns([column]).iter(batch_size=10_000):
         for i, prompt in enumerate(batch[column], start):
@@ -216,7 +240,10 @@ class PromptStream:
         return out
 
     def batch(self, rollout_index: int) -> PromptBatch:
-        indices = self.indices(rollout_index)
+        return self.rows(self.indices(rollout_index))
+
+    def rows(self, indices: list[int]) -> PromptBatch:
+        """The dataset's rows `indices`, formatted, tokenized and truncated as training prompts."""
         rows = self.ds[indices]
         column = self.cfg.prompt_column
         prompts = rows.pop(column)

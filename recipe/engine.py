@@ -57,8 +57,8 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
 
 def all_reduce_named(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Named per-rank tensors (one dtype and device) summed over all ranks in ONE all-reduce: stacked in the
-    dict's order, split back by name. A world of one skips the collective."""
-    if torch.distributed.get_world_size() == 1:
+    dict's order, split back by name. A world of one (or no process group at all) skips the collective."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return values
     flat = torch.cat([v.reshape(-1) for v in values.values()])
     torch.distributed.all_reduce(flat)
@@ -117,10 +117,25 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_model(path: str, cfg: Config):
-    from transformers import AutoModelForCausalLM
+def load_model(path: str, cfg: Config, world_size: int | None = None):
+    """The model (with its LoRA adapter when use_peft), dropout off.
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    With `world_size` (a process group is up) and a ZeRO-3 config it is constructed already partitioned for
+    the engine of that world: each rank loads only its 1/world of the weights (with LoRA, of the base
+    model; the small adapter is partitioned by deepspeed.initialize). Otherwise the whole model, as
+    `from_pretrained` gives it.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = None
+    if world_size is not None:
+        conf = ds_config(cfg, world_size, AutoConfig.from_pretrained(path).hidden_size)
+    if conf is not None and conf["zero_optimization"].get("stage", 0) == 3:
+        from recipe.partitioned_load import load_partitioned
+
+        model = load_partitioned(path, conf)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     # RL needs the training forward to see the same policy that sampled: no dropout.
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -183,11 +198,14 @@ def ds_config(cfg: Config, world_size: int, hidden_size: int, train: bool = True
 
 
 def init_engine(model, cfg: Config, world_size: int):
+    """The policy's engine; it owns the learning-rate schedule (stepped per optimizer step, checkpointed)."""
     import deepspeed
+
+    from recipe.schedule import lr_scheduler
 
     conf = ds_config(cfg, world_size, model.config.hidden_size)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=conf)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=conf, lr_scheduler=lr_scheduler(cfg))
     return engine
 
 
@@ -205,7 +223,7 @@ def init_reference(path: str, cfg: Config, world_size: int, policy=None):
         if policy is None:
             raise ValueError("init_reference: with use_peft the reference is the policy engine itself; pass it")
         return ReferencePolicy(policy)
-    ref = load_model(path, cfg)
+    ref = load_model(path, cfg, world_size)
     ref.requires_grad_(False)
     conf = ds_config(cfg, world_size, ref.config.hidden_size, train=False)
     engine, *_ = deepspeed.initialize(model=ref, config=conf)
@@ -218,17 +236,26 @@ def is_zero3(engine) -> bool:
 
 
 @contextlib.contextmanager
-def gathered_for_generation(engine):
-    """All ZeRO-3 parameters gathered once, with ZeRO's per-module hooks removed meanwhile; a LoRA adapter
-    merged into the gathered weights.
+def gathered_for_generation(engine, per_layer: bool = False):
+    """The model to generate with.
 
-    With the hooks in place every layer would be re-fetched and released at each decoding step (and a merge
-    into weights that the hooks release is lost mid-forward).
+    Default: all ZeRO-3 parameters gathered once, with ZeRO's per-module hooks removed meanwhile, and a LoRA
+    adapter merged into the gathered weights; with the hooks in place every layer would be re-fetched and
+    released at each decoding step (and a merge into weights that the hooks release is lost mid-forward).
+    That needs the whole model on one device.
+
+    `per_layer` (ZeRO-3, `hf_generation_gather: per_layer`): the hooks stay and gather each layer while it
+    runs, at every decoding step: memory bounded by a few layers, for models that do not fit on one device.
+    A LoRA adapter then runs unmerged (same function, a little slower). Every rank must run the same number
+    of forwards (each one gathers): generate with synced_gpus.
     """
     import deepspeed
 
     from recipe.lora import merged_adapter  # a no-op without LoRA layers
 
+    if per_layer and is_zero3(engine):
+        yield engine.module
+        return
     if not is_zero3(engine):
         with merged_adapter(engine.module) as model:
             yield model

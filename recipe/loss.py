@@ -13,11 +13,78 @@ import torch
 SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # a unit is a sequence; step_token_mean and dapo count tokens
 
 
-def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / T)[ids], per token, without materializing the full log-softmax."""
-    logits = logits.float() / temperature
-    picked = torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+LOGPS_CHUNK_ELEMENTS = 1 << 24  # fp32 elements of logits handled at once (64 MiB)
+
+
+def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, own_logits: bool = False,
+                with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fp32 log softmax(logits / T)[ids] per token: [B, C] from logits [B, L >= C, V] (position t predicts
+    ids[:, t]; positions from C on are ignored and get no gradient).
+
+    No fp32 copy of the whole [B, C, V] logits is made, forward or backward: both go a chunk of positions at
+    a time (a custom autograd function that keeps only the logits, in their own dtype, and the per-token
+    log-normalizers). The gradient goes into one tensor shaped like the logits; with `own_logits` (the caller
+    has no other use for them) into the logits' own memory, which the backward then overwrites.
+    `with_entropy` also returns each position's entropy of softmax(logits / T) (no gradient): a metric the
+    training forward's logits give for one more read.
+    """
+    logps = _SelectiveLogSoftmax.apply(logits, ids, temperature, own_logits)
+    if not with_entropy:
+        return logps
+    return logps, token_entropy(logits.detach(), ids.shape[1], temperature)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, length: int, temperature: float = 1.0) -> torch.Tensor:
+    """H = lse - sum(p * x), p = softmax(x), x = logits / T, at the first `length` positions, chunk by chunk."""
+    out = torch.empty(logits.shape[0], length, dtype=torch.float32, device=logits.device)
+    for b, s, e in _chunks(logits, length):
+        x = logits[b, s:e].float() / temperature
+        z = torch.logsumexp(x, dim=-1, keepdim=True)
+        out[b, s:e] = (z - (torch.exp(x - z) * x).sum(-1, keepdim=True)).squeeze(-1)
+    return out
+
+
+def _chunks(logits: torch.Tensor, length: int):
+    """(row, start, end) covering the first `length` positions of each row, about LOGPS_CHUNK_ELEMENTS each."""
+    step = max(1, LOGPS_CHUNK_ELEMENTS // logits.shape[-1])
+    for b in range(logits.shape[0]):
+        for s in range(0, length, step):
+            yield b, s, min(s + step, length)
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, own_logits):
+        out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for b, s, e in _chunks(logits, ids.shape[1]):
+            x = logits[b, s:e].float() / temperature
+            lse[b, s:e] = torch.logsumexp(x, dim=-1)
+            out[b, s:e] = x.gather(-1, ids[b, s:e].unsqueeze(-1)).squeeze(-1) - lse[b, s:e]
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature, ctx.own_logits = temperature, own_logits
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, ids, lse = ctx.saved_tensors
+        t = ctx.temperature
+        grad = logits if ctx.own_logits else torch.empty_like(logits)
+        for b, s, e in _chunks(logits, ids.shape[1]):
+            g = grad_out[b, s:e].float().unsqueeze(-1)
+            # d logp[id] / d x = onehot(id) - softmax(x), and x = logits / T
+            x = torch.exp(logits[b, s:e].float() / t - lse[b, s:e].unsqueeze(-1)).mul_(-g)
+            x.scatter_add_(-1, ids[b, s:e].unsqueeze(-1), g)
+            grad[b, s:e] = x.div_(t)  # chunk by chunk, so each chunk is read before it is overwritten
+        grad[:, ids.shape[1]:] = 0
+        return grad, None, None, None
+
+
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per group: True when all its rewards are equal (its advantages are 0: it teaches nothing)."""
+    grouped = rewards.view(-1, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1)
 
 
 STD_EPS = 1e-4  # TRL's: advantages = centered / (std + 1e-4), so runs compare side by side
@@ -79,18 +146,18 @@ def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, nor
     return units.sum() / normalizer
 
 
-def loss_normalizers(loss_type: str, step_tokens: torch.Tensor, step_sequences: int,
+def loss_normalizers(loss_type: str, step_tokens: torch.Tensor, step_sequences: torch.Tensor,
                      world_size: int) -> torch.Tensor:
     """Per [pass, optimizer step]: `reduce_loss`'s normalizer, units in the whole step over all ranks / world_size.
 
-    `step_tokens` [passes, steps]: active completion tokens of each step, summed over all ranks (known at
-    rollout time); `step_sequences`: sequences per step on each rank (the same on every rank).
+    `step_tokens`, `step_sequences` [passes, steps]: active completion tokens and trained sequences of each step,
+    summed over all ranks (known at rollout time; ranks may differ when zero_std_filter leaves groups out).
     grpo, dr_grpo: the step's sequences; step_token_mean: the step's tokens; dapo: the rollout's mean tokens per step,
     the same for every step of a pass.
     """
     passes, steps = step_tokens.shape
     if loss_type in SEQUENCE_LOSSES:
-        return torch.full((passes, steps), float(step_sequences))  # (sequences x world) / world
+        return step_sequences.float().clamp(min=1.0) / world_size
     if loss_type == "dapo":
         step_tokens = step_tokens.sum(dim=1, keepdim=True).expand(passes, steps) / steps
     elif loss_type != "step_token_mean":

@@ -29,8 +29,8 @@ from recipe.config import Config
 LOCK_NAME = "run.lock"
 RECORD_NAME = "run.json"
 # Everything the recipe writes into OUTPUT_DIR; overwrite removes exactly these.
-OWNED = ("metrics.jsonl", "checkpoints", "final", "final.tmp", "final-merged", "final-merged.tmp", "tensorboard",
-         RECORD_NAME)
+OWNED = ("metrics.jsonl", "completions.jsonl", "checkpoints", "final", "final.tmp", "final-merged",
+         "final-merged.tmp", "tensorboard", "wandb", RECORD_NAME)
 
 
 class OutputDirError(RuntimeError):

@@ -4,10 +4,12 @@ group starts, so that a missing file or an unusable backend costs a one-line Con
 `config.py` checks the fields on their own; this step asks the rest of the machine: do the files exist (the
 DeepSpeed config parses, a resume folder is there), is the model there (a built-in one is built here, once,
 before any rank needs it; a local folder holds a model; a hub name must be cached or on the reachable hub), can
-the output folder be written and hold a checkpoint, can vLLM serve the model here, do the reward functions import.
+the output folder be written and hold a checkpoint, can vLLM serve the model here, do the reward functions import,
+does the DeepSpeed config shard what per-layer generation gathers, can the GPU do bf16.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -32,12 +34,24 @@ HUB_PROBE_S = 5.0  # how long the hub may take to answer before it counts as unr
 def preflight(cfg: Config) -> None:
     """Raise a ConfigError naming the field whose file, model, backend or reward function is unusable here."""
     ds = deepspeed_json(cfg.deepspeed_config)
+    if cfg.hf_generation_gather == "per_layer":
+        stage = ds.get("zero_optimization", {}).get("stage", 0)
+        need(stage == 3, f"hf_generation_gather: per_layer needs a ZeRO-3 deepspeed_config; {cfg.deepspeed_config} "
+                         f"is stage {stage}, where every rank holds all weights (use full)")
+    if str(cfg.bf16).lower() == "true":
+        cuda = torch.cuda.is_available()
+        check_bf16(cuda, cuda and torch.cuda.is_bf16_supported(), torch.cuda.get_device_name() if cuda else "")
     if looks_like_file(cfg.dataset_name):
         need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
     check_output_dir(cfg.output_dir)
     resume = cfg.resume_from_checkpoint  # a path's files are checked against its manifest when the run starts
     need(resume in (None, "auto") or Path(resume).is_dir(),
          f"resume_from_checkpoint: no such folder: {resume} (auto takes the newest complete one in output_dir)")
+    if cfg.eval_dataset_name and looks_like_file(cfg.eval_dataset_name):
+        need(resolve_path(cfg.eval_dataset_name).is_file(),
+             f"eval_dataset_name: file not found: {cfg.eval_dataset_name}")
+    need("wandb" not in cfg.report_to or importlib.util.find_spec("wandb") is not None,
+         "report_to: wandb needs the wandb package (pip install -e '.[wandb]')")
     folder = model_folder(cfg.model_name_or_path)
     check_disk_space(cfg, folder, ds)
     if cfg.generation_backend == "vllm":
@@ -62,6 +76,9 @@ def deepspeed_json(name: str) -> dict:
     need(isinstance(ds, dict), f"deepspeed_config: {name} must hold a JSON object")
     for key in ("optimizer", "zero_optimization"):
         need(isinstance(ds.get(key, {}), dict), f"deepspeed_config: {key} in {name} must be an object")
+    # One schedule, the recipe's: DeepSpeed would otherwise run its own beside it (or instead of it).
+    need("scheduler" not in ds, f"deepspeed_config: {name} has a \"scheduler\"; remove it: lr_scheduler_type, "
+                                "warmup_steps and min_lr_ratio set the schedule")
     return ds
 
 
@@ -112,6 +129,12 @@ def weight_count(folder: Path) -> int:
             for key in f.keys():
                 count += math.prod(f.get_slice(key).get_shape())
     return count
+
+
+def check_bf16(cuda: bool, supported: bool, device_name: str) -> None:
+    """bf16: true needs bf16 arithmetic: every CPU has it (emulated where not native), GPUs from Ampere on."""
+    need(not cuda or supported, f"bf16: true, but {device_name} has no bf16 support (compute capability < 8.0); "
+                                f"use bf16: false (fp32)")
 
 
 def model_folder(model: str) -> Path | None:

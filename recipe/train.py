@@ -25,15 +25,17 @@ from recipe.buffer import RolloutBuffer
 from recipe.checkpoint import CheckpointError, Checkpointer
 from recipe.config import Config, ConfigError, HelpRequested, load_config
 from recipe.config_help import help_text
-from recipe.data import DataError, PromptStream, check_prompts, load_prompt_dataset, uses_chat_template
+from recipe.data import DataError, PromptStream, check_prompts, load_datasets, uses_chat_template
+from recipe.evaluation import Evaluator
 from recipe.generation import Generator, build_generator
 from recipe.generation.vllm import VLLMUnavailable
 from recipe.launch import PREEMPTED_EXIT_CODE
-from recipe.loss import group_advantages
-from recipe.metrics import MetricsLogger, Timer, read_jsonl, reward_quarters
+from recipe.loss import group_advantages, zero_std_groups
+from recipe.metrics import MetricsLogger, Timer, read_jsonl, reward_quarters, sample_rows
 from recipe.preflight import preflight
 from recipe.reuse import ReuseController
 from recipe.rewards import RewardError, RewardFunc, check_answer_columns, load_reward_funcs, score
+from recipe.trackers import build_trackers
 from recipe.update import NonFiniteError, StepResult, check_finite, train_on_rollout
 
 # the Timer's phases, logged as time_<phase>_s (forward, backward, optimizer: parts of train)
@@ -53,6 +55,7 @@ class Run:
     rewards: list[RewardFunc]
     generator: Generator
     checkpointer: Checkpointer
+    evaluator: Evaluator | None  # None: no evaluation during training
     lock: Any = None  # rank 0's hold on the output folder (recipe/outdir.py), kept for the run's lifetime
 
 
@@ -64,13 +67,14 @@ class LoopState:
     position: tuple[int, int] | None = None  # its last (pass, step) done; None: none yet
     buffer: RolloutBuffer | None = None  # that rollout with its old log-probs; None: not generated yet
     stats: dict | None = None  # its reward and completion statistics (part of each of its steps' records)
+    samples: list | None = None  # rank 0, log_completions_steps: a few of its completions with rewards, advantages
     reuse: dict | None = None  # the adaptive-reuse controller's state
     old_logp_forwards: int = 0  # cumulative, logged with every step
     prompts_truncated: int = 0  # cumulative, logged with every step
     nonfinite_steps: int = 0  # steps skipped for a non-finite loss or gradient norm, logged with every step
 
     def next_rollout(self) -> None:
-        self.rollout, self.position, self.buffer, self.stats = self.rollout + 1, None, None, None
+        self.rollout, self.position, self.buffer, self.stats, self.samples = self.rollout + 1, None, None, None, None
 
     def state_dict(self) -> dict:
         state = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -92,10 +96,14 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     except (OSError, ValueError) as e:  # e.g. no EOS token, or files transformers cannot read
         raise ConfigError(f"model_name_or_path: no usable tokenizer in {path}: {' '.join(str(e).split())[:300]}") \
             from None
-    dataset = load_prompt_dataset(cfg)
-    check_prompts(dataset, cfg, uses_chat_template(tokenizer, cfg))
+    train_prompts, eval_prompts = load_datasets(cfg)  # a held-out eval slice leaves the train set either way
     rewards = load_reward_funcs(cfg.reward_funcs)
-    check_answer_columns(rewards, dataset.column_names)
+    checked = [(train_prompts, cfg.dataset_name)]
+    if eval_prompts is not None:  # held out of the train set or its own: checked the same way
+        checked.append((eval_prompts, cfg.eval_dataset_name or cfg.dataset_name))
+    for prompts, name in checked:
+        check_prompts(prompts, cfg, uses_chat_template(tokenizer, cfg), name)
+        check_answer_columns(rewards, prompts.column_names)
     rank, world = eng.init_distributed(cfg.collective_timeout_s)
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
@@ -106,8 +114,8 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     checkpointer.run_id, checkpointer.lineage, resume_from = claim.run_id, claim.lineage, claim.resume_from
     if resume_from is not None:
         checkpointer.check_config(resume_from)  # before any model is loaded
-    stream = PromptStream(dataset, tokenizer, cfg, rank, world)
-    model = eng.load_model(path, cfg)
+    stream = PromptStream(train_prompts, tokenizer, cfg, rank, world)
+    model = eng.load_model(path, cfg, world)
     engine = eng.init_engine(model, cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0.0 else None
     generator = build_generator(cfg, engine, tokenizer)
@@ -118,34 +126,49 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
         if rank == 0:
             print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
     checkpointer.install_signal_handlers()
-    run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator,
-              checkpointer, lock)
+    evaluator = None
+    if eval_prompts is not None and (cfg.eval_steps or cfg.eval_on_start):
+        evaluator = Evaluator(cfg, PromptStream(eval_prompts, tokenizer, cfg, rank, world), generator, rewards,
+                              rank, world)
+    run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator, checkpointer, evaluator, lock)
     return run, state
 
 
 def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_prompts: int, prompt_tokens: int,
-                  error: bool) -> dict:
+                  error: bool, zero_std: torch.Tensor) -> dict:
     """Reward and completion statistics over all ranks, in one all-reduce (which also shares errors)."""
-    # each function's mean is over the samples it applies to (NaN: it returned None there)
     r64 = rewards.double()  # the batch std divides advantages: sums in float64, so 1 or N ranks agree
     lengths = comp.mask.sum(-1)
-    sums = {"reward": r64.sum(), "reward_sq": (r64 ** 2).sum(), "samples": rewards.numel(),
-            "length": lengths.sum(), "truncated": comp.truncated.float().sum(),
-            "prompts_truncated": num_truncated_prompts, "failed_ranks": float(error), "ranks": 1.0,
-            "decode_steps": lengths.max() if len(lengths) else 0, "tokens": prompt_tokens + lengths.sum(),
-            **{f"reward/{k}": v.nansum() for k, v in per_func.items()},
-            **{f"applies/{k}": (~v.isnan()).sum() for k, v in per_func.items()}}
+    sums = {"samples": rewards.numel(), "length": lengths.sum(), "truncated": comp.truncated.float().sum(),
+            "prompts_truncated": num_truncated_prompts, "failed_ranks": float(error),
+            "zero_std_groups": zero_std.sum(), "groups": zero_std.numel(),
+            "reward": r64.sum(), "reward^2": (r64 ** 2).sum(),
+            "ranks": 1.0, "decode_steps": lengths.max() if len(lengths) else 0, "tokens": prompt_tokens + lengths.sum()}
+    for k, v in per_func.items():  # each function over the samples it applies to (NaN: it returned None there)
+        applies = ~v.isnan()
+        sums |= {f"reward/{k}": v.double().nansum(), f"reward/{k}^2": (v.double()[applies] ** 2).sum(),
+                 f"applies/{k}": applies.sum()}
     sums = eng.all_reduce_named({k: torch.as_tensor(v, dtype=torch.float64) for k, v in sums.items()})
-    sums = {k: v.item() for k, v in sums.items()}
-    n, mean = sums["samples"], sums["reward"] / sums["samples"]
-    std = max(sums["reward_sq"] / n - mean ** 2, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5  # sample std
-    return {"reward_mean": mean, "reward_std": std,
+    return summarize_rollout({k: v.item() for k, v in sums.items()}, list(per_func))
+
+
+def summarize_rollout(sums: dict[str, float], names: list[str]) -> dict:
+    """The logged statistics from the all-ranks sums; stds are sample stds: sqrt((sum x^2 - n mean^2) / (n - 1))."""
+    def mean_std(key: str, n: float) -> tuple[float, float]:
+        mean = sums[key] / max(n, 1.0)
+        return mean, max(sums[f"{key}^2"] / max(n, 1.0) - mean ** 2, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5
+
+    n = sums["samples"]
+    per_func = {k: mean_std(f"reward/{k}", sums[f"applies/{k}"]) for k in names}
+    mean, std = mean_std("reward", n)
+    return {"reward_mean": mean, "reward_std": std, "frac_reward_zero_std": sums["zero_std_groups"] / sums["groups"],
             "completion_length_mean": sums["length"] / n, "truncated_fraction": sums["truncated"] / n,
             # what the rollout cost: its decoding steps (longest completion, mean over ranks) and the tokens a
             # pass trains on (prompts and completions, all ranks); reuse.py prices replays with them
             "decode_steps": sums["decode_steps"] / sums["ranks"], "rollout_tokens": int(sums["tokens"]),
             "prompts_truncated": int(sums["prompts_truncated"]), "failed_ranks": int(sums["failed_ranks"]),
-            **{f"reward/{k}": sums[f"reward/{k}"] / max(sums[f"applies/{k}"], 1.0) for k in per_func}}
+            **{f"reward/{k}": m for k, (m, _) in per_func.items()},
+            **{f"reward/{k}_std": s for k, (_, s) in per_func.items()}}
 
 
 def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
@@ -166,8 +189,9 @@ def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
     return comp
 
 
-def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict]:
-    """Generate this rank's groups, score them, and fill the rank-local buffer with their advantages."""
+def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict, list | None]:
+    """Generate this rank's groups, score them, and fill the rank-local buffer with their advantages. Also returns
+    rank 0's completion samples when log_completions_steps asks for them."""
     cfg, G = run.cfg, run.cfg.num_generations
     batch = run.stream.batch(rollout)
     with timer("generate"):
@@ -179,17 +203,23 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
             rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids)
         except RewardError as e:
             error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in run.rewards}
+    zero_std = zero_std_groups(rewards, G)
     stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, sum(map(len, rows.prompt_ids)),
-                          error is not None)
+                          error is not None, zero_std)
     if stats.pop("failed_ranks"):  # every rank names the function that failed, wherever it ran
         failed_rank, message = eng.first_error(None if error is None else str(error))
         raise RewardError(message if failed_rank == run.rank else f"{message} (on rank {failed_rank})")
     # every group lives on this rank; scale_rewards: batch divides by the std over all ranks (as TRL does)
     advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std=stats["reward_std"])
     mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
+    active = ~zero_std.repeat_interleave(G) if cfg.zero_std_filter else None  # all-equal groups teach nothing
     buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, run.tokenizer.pad_token_id,
-                              order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps)
-    return buf, stats
+                              order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps, active=active)
+    samples = None
+    if run.rank == 0 and cfg.log_completions_steps:  # this rank's first groups: nothing is gathered
+        samples = sample_rows(rollout, rows.prompts, comp.texts, rewards, per_func, advantages,
+                              cfg.num_prompts_to_log * G)
+    return buf, stats, samples
 
 
 def step_record(run: Run, state: LoopState, done: StepResult, timer: Timer, step_time_s: float,
@@ -203,19 +233,35 @@ def step_record(run: Run, state: LoopState, done: StepResult, timer: Timer, step
             "tokens_per_s": done.stats["train_tokens"] / step_time_s}
 
 
+def report(run: Run, state: LoopState, logger: MetricsLogger, record: dict) -> None:
+    """After each optimizer step: the evaluation at eval steps (its eval/ metrics join the step's record), the
+    metrics line at logging and eval steps and the last, completion samples, and the progress bar."""
+    cfg, step = run.cfg, state.step
+    evaluated = run.evaluator is not None and run.evaluator.due(step)
+    if evaluated:
+        record.update(run.evaluator.run(step))
+    if step % cfg.logging_steps == 0 or step == cfg.max_steps or evaluated:
+        logger.log(record)
+    if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
+        logger.log_completions(step, state.samples)
+    logger.advance(record)
+
+
 def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
     """The loop, from `state` on (updated in place). Returns the step records and whether it stopped early for
     a signal (after a checkpoint)."""
-    cfg, ckpt, timer = run.cfg, run.checkpointer, Timer()
-    logger = MetricsLogger(Path(cfg.output_dir), run.rank, cfg.max_steps, initial_step=state.step,
-                           tensorboard=cfg.report_to_tensorboard, disable_tqdm=cfg.disable_tqdm)
+    cfg, ckpt, timer, out = run.cfg, run.checkpointer, Timer(), Path(run.cfg.output_dir)
+    logger = MetricsLogger(out, run.rank, cfg.max_steps, initial_step=state.step, disable_tqdm=cfg.disable_tqdm,
+                           trackers=lambda: build_trackers(cfg.report_to, out, cfg))
     reuse = ReuseController(cfg)
     if state.reuse is not None:
         reuse.load_state_dict(state.reuse)
+    if state.step == 0 and cfg.eval_on_start and run.evaluator is not None:
+        logger.log({"step": 0, **run.evaluator.run(0)})
     records, last, last_cpu = [], time.perf_counter(), time.process_time()
     while state.step < cfg.max_steps:
         if state.buffer is None:  # generate, score, advantages
-            state.buffer, state.stats = collect_rollout(run, state.rollout, timer)
+            state.buffer, state.stats, state.samples = collect_rollout(run, state.rollout, timer)
             state.prompts_truncated += state.stats.pop("prompts_truncated")
         for done in train_on_rollout(run.engine, run.ref, state.buffer, cfg, after=state.position, timer=timer):
             state.step += 1
@@ -224,15 +270,15 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             state.old_logp_forwards += done.old_logp_forwards
             now, cpu = time.perf_counter(), time.process_time()
             record = step_record(run, state, done, timer, now - last, cpu - last_cpu)
-            last, last_cpu = now, cpu
             # reuse (recipe/reuse.py): after a finished pass, maybe skip the rest of this rollout
             skip_rest = reuse.step_done(record, done.last_in_pass)
             records.append(record | reuse.status())
             last_step = (cfg.max_passes - 1, cfg.optimizer_steps_per_pass - 1)  # skipped passes count as done
             state.position = last_step if skip_rest else (done.pass_index, done.step_index)
             state.reuse = reuse.state_dict()
-            if state.step % cfg.logging_steps == 0 or state.step == cfg.max_steps:
-                logger.log(records[-1])
+            report(run, state, logger, records[-1])
+            # an evaluation's time is its own (eval/time_s), not the next step's
+            last, last_cpu = time.perf_counter(), time.process_time()
             # checkpoint on schedule, at the end, or when a signal asks every rank to stop
             stop, finished = ckpt.stop_requested(), state.step >= cfg.max_steps
             if stop or ckpt.should_save(state.step) or (finished and cfg.save_steps > 0):

@@ -18,7 +18,8 @@ from recipe.loss import loss_normalizers, policy_loss, token_logps, truncated_is
 from recipe.metrics import Timer
 
 # per-rank sums of one optimizer step, all-reduced together (this order is the all-reduce's layout)
-STEP_SUMS = ("loss", "clip_low", "clip_high", "clip_region", "tokens", "kl", "ratio", "approx_kl", "is_ratio")
+STEP_SUMS = ("loss", "clip_low", "clip_high", "clip_region", "tokens", "kl", "ratio", "approx_kl", "is_ratio",
+             "entropy")
 
 
 @dataclass
@@ -27,7 +28,8 @@ class StepResult:
     pass_index: int  # which pass over the rollout (0 .. cfg.max_passes - 1)
     step_index: int  # which optimizer step of that pass (0 .. optimizer_steps_per_pass - 1)
     last_in_pass: bool
-    stats: dict  # over all ranks: loss, clip ratios, ratio_mean, approx_kl, train_tokens, [kl, is_ratio_*, grad_norm]
+    stats: dict  # over all ranks: loss, clip ratios, ratio_mean, approx_kl, entropy, train_tokens, learning_rate,
+    # [kl, is_ratio_*, grad_norm]
     old_logp_forwards: int  # no-grad micro-batch forwards spent on old log-probs just before this step
     applied: bool = True  # whether DeepSpeed updated the weights (it skips a step whose gradient norm is not finite)
 
@@ -55,15 +57,20 @@ def check_finite(done: StepResult, step: int, skipped: int, allowed: int) -> boo
 
 
 def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                  temperature: float) -> torch.Tensor:
-    """Per-token log-probs of the completion part under the sampling temperature.
+                  temperature: float, with_entropy: bool = False):
+    """Per-token log-probs (fp32) of the completion part under the sampling temperature (and with `with_entropy`,
+    each position's entropy from the same logits: (logps, entropy)).
 
-    Position ids follow the attention mask, as in `generate`, so left padding does not shift them.
+    Position ids follow the attention mask, as in `generate`, so left padding does not shift them. The model
+    computes logits only where they predict a completion token (logits_to_keep: the prompt's positions would
+    cost a [B, P, V] slice for nothing), the last one included and ignored. Nothing else reads those logits,
+    so the backward writes their gradient over them.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
-    return token_logps(logits[:, -completion_len - 1:-1], input_ids[:, -completion_len:], temperature)
+                   use_cache=False, logits_to_keep=completion_len + 1).logits
+    return token_logps(logits, input_ids[:, -completion_len:], temperature, own_logits=True,
+                       with_entropy=with_entropy)
 
 
 def _to_device(mb: dict) -> dict:
@@ -112,10 +119,11 @@ def compute_old_logps(engine, buf: RolloutBuffer, micro_batches: list[torch.Tens
 
 
 def normalizers(buf: RolloutBuffer, plan: list, cfg: Config) -> torch.Tensor:
-    """Per [pass, step]: the loss normalizer. The global token counts are known at rollout time: one all-reduce."""
-    counts = all_reduce_named({"tokens": buf.token_counts(plan).to(device())})["tokens"].cpu()
-    sequences = len(buf) // cfg.optimizer_steps_per_pass
-    return loss_normalizers(cfg.loss_type, counts, sequences, dist.get_world_size())
+    """Per [pass, step]: the loss normalizer. The global token and sequence counts are known at rollout time: one
+    all-reduce."""
+    counts = all_reduce_named({"tokens": buf.token_counts(plan).to(device()),
+                               "sequences": buf.sequence_counts(plan).to(device())})
+    return loss_normalizers(cfg.loss_type, counts["tokens"].cpu(), counts["sequences"].cpu(), dist.get_world_size())
 
 
 def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizer: float,
@@ -124,11 +132,14 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
     sums = {name: torch.zeros((), device=device()) for name in STEP_SUMS}
     is_max = torch.zeros(1, device=device())
     cap = cfg.vllm_tis_cap
+    lr = engine.get_lr()[0]  # what this step's update uses (the scheduler steps at its accumulation boundary)
     for idx in micro_batches:
         mb = _to_device(buf.micro_batch(idx))
         mask, c_len = mb["completion_mask"], mb["completion_mask"].shape[1]
         with timer("forward"):
-            logp = forward_logps(engine, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature)
+            logp, entropy = forward_logps(engine, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature,
+                                          with_entropy=True)
+        sums["entropy"] += (entropy * mask).sum()
         # Samples the policy has not been updated on yet: their old log-probs are this very forward.
         fresh = ~mb["has_old_logps"]
         old = torch.where(fresh.unsqueeze(-1), logp.detach(), mb["old_logps"])
@@ -167,7 +178,8 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
            "clip_ratio_high": (sums["clip_high"] / tokens).item(),
            "clip_ratio_region": (sums["clip_region"] / tokens).item(),
            "ratio_mean": (sums["ratio"] / tokens).item(), "approx_kl": (sums["approx_kl"] / tokens).item(),
-           "train_tokens": int(sums["tokens"].item())}
+           "entropy": (sums["entropy"] / tokens).item(), "train_tokens": int(sums["tokens"].item()),
+           "learning_rate": lr}
     if cfg.beta > 0.0:
         out["kl"] = (sums["kl"] / tokens).item()
     if cap is not None:  # before the cap: how far the sampler drifted from the trainer

@@ -35,7 +35,7 @@ def main():
     cfg = Config(num_generations=2, per_device_train_batch_size=4, max_completion_length=12, top_k=0)
     path = eng.model_path(cfg)
     tok = eng.load_tokenizer(path)
-    engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
+    engine = eng.init_engine(eng.load_model(path, cfg, world), cfg, world)
     plain = eng.load_model(path, cfg).eval()
     gen = build_generator(cfg, engine, tok)
     prompts = [tok(f"TITLE: rank {rank} asks").input_ids, tok("POST: a longer prompt here, longer").input_ids]

@@ -15,7 +15,7 @@ import torch
 from recipe import engine as eng
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
-from recipe.loss import group_advantages
+from recipe.loss import group_advantages, zero_std_groups as all_equal_groups
 from recipe.train import rollout_stats
 from recipe.update import train_on_rollout
 
@@ -42,16 +42,22 @@ def fixed_rollout(n: int, seed: int = 0, vocab: int = 500, eos: int = 0):
     return prompts, comps, adv
 
 
-def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0) -> RolloutBuffer:
+def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0, zero_std_groups=()) -> RolloutBuffer:
+    """This rank's slice of the fixed rollout. The global groups `zero_std_groups` had all-equal rewards: their
+    advantages are 0, and with zero_std_filter they are left out of the update."""
     n = cfg.completions_per_rollout
     prompts, comps, adv = fixed_rollout(n * world)
+    group = torch.arange(n * world) // cfg.num_generations
+    zero = torch.isin(group, torch.tensor(list(zero_std_groups), dtype=torch.long))
+    adv[zero] = 0.0
     sl = slice(rank * n, (rank + 1) * n)
     prompts, comps = prompts[sl], comps[sl]
     width = max(len(c) for c in comps)
     mask = torch.zeros(n, width)
     for i, c in enumerate(comps):
         mask[i, :len(c)] = 1
-    return RolloutBuffer.build(prompts, comps, adv[sl], mask, pad_id, order_seed=1000 + rank)
+    active = ~zero[sl] if cfg.zero_std_filter else None
+    return RolloutBuffer.build(prompts, comps, adv[sl], mask, pad_id, order_seed=1000 + rank, active=active)
 
 
 def fixed_rewards(n: int) -> torch.Tensor:
@@ -67,19 +73,19 @@ def advantages_from_rewards(cfg: Config, buf: RolloutBuffer, rank: int, world: i
     n = len(buf)
     rewards = fixed_rewards(n * world)[rank * n:(rank + 1) * n]
     comp = SimpleNamespace(mask=buf.completion_mask, truncated=torch.zeros(n, dtype=torch.bool))
-    stats = rollout_stats(rewards, {}, comp, num_truncated_prompts=0, prompt_tokens=0, error=False)
+    stats = rollout_stats(rewards, {}, comp, 0, 0, False, all_equal_groups(rewards, cfg.num_generations))
     return group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std=stats["reward_std"])
 
 
-def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False):
+def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zero_std_groups=()):
     """Fresh engine, this rank's shard of the fixed rollout, `train_on_rollout` over it. Returns the engine,
     the reference, the buffer, the old-log-prob forwards, store counts and each step's statistics.
     `from_rewards`: advantages from fixed rewards as train.py computes them."""
     path = eng.model_path(cfg)
     torch.manual_seed(0)
-    engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
+    engine = eng.init_engine(eng.load_model(path, cfg, world), cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0 else None
-    buf = local_buffer(cfg, rank, world)
+    buf = local_buffer(cfg, rank, world, zero_std_groups=zero_std_groups)
     if from_rewards:
         buf.advantages = advantages_from_rewards(cfg, buf, rank, world).float()
     stores = torch.zeros(len(buf), dtype=torch.long)
@@ -103,7 +109,9 @@ def main():
     results = {}
     for case in cases:
         name, from_rewards = case.pop("name"), case.pop("from_rewards", False)
-        engine, _, buf, forwards, stores, outs = run_case(Config(**{**BASE, **case}), rank, world, from_rewards)
+        zero_std_groups = case.pop("zero_std_groups", ())
+        engine, _, buf, forwards, stores, outs = run_case(Config(**{**BASE, **case}), rank, world, from_rewards,
+                                                          zero_std_groups)
         state = engine._zero3_consolidated_16bit_state_dict() if eng.is_zero3(engine) else engine.module.state_dict()
         all_stores = [torch.zeros_like(stores) for _ in range(world)]
         torch.distributed.all_gather(all_stores, stores)
@@ -113,6 +121,8 @@ def main():
                              "stores": torch.cat(all_stores), "old_logps": buf.old_logps.clone(),
                              "approx_kl": torch.tensor([o["approx_kl"] for o in outs], dtype=torch.float64),
                              "clip_ratio_region": torch.tensor([o["clip_ratio_region"] for o in outs], dtype=torch.float64),
+                             "entropy": torch.tensor([o["entropy"] for o in outs], dtype=torch.float64),
+                             "learning_rate": torch.tensor([o["learning_rate"] for o in outs], dtype=torch.float64),
                              "zero": {"stage": engine.zero_optimization_stage(),
                                       "offload_param": engine.zero_offload_param() is not None,
                                       "offload_optimizer": engine.zero_use_cpu_optimizer()}}

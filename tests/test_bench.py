@@ -138,3 +138,47 @@ def test_vs_trl_smoke(tmp_path):
     r = json.loads((tmp_path / "vs_trl.json").read_text())
     assert r["trl_version"] == "1.16.0" and r["step_time_ratio"] > 0
     assert_plot(tmp_path / "vs_trl.png", 1000, 800)  # one mu: the summary column and that mu's
+
+
+@pytest.mark.slow
+def test_scale_smoke(tmp_path):
+    """bench/scale.py --smoke: every part, before and after side by side, on a small model."""
+    bench(tmp_path, "scale.py", "--smoke", timeout=900)
+    r = json.loads((tmp_path / "scale.json").read_text())
+    (row,) = r["startup"]["rows"]
+    assert row["world"] == 2 and set(row["after"]) >= {"startup_peak", "policy_load_added", "reference_added"}
+    assert all(r["logprob"]["rows"][0][v]["peak_mib"] > 0 for v in ("before", "after"))
+    t = r["throughput"]["row"]
+    assert t["speedup"] > 0 and t["same_update"]["grad_norm_rel_diff"] < 1e-4
+    p = r["padding"]["row"]
+    assert p["after"]["positions_through_layers"] < p["before"]["positions_through_layers"]
+    assert set(r["goals"]) == {"startup", "logprob", "throughput", "vs_trl"}
+    assert set(r["measured_at"]) == {"startup", "logprob", "padding", "throughput"}
+    assert_plot(tmp_path / "scale.png", 4 * 6 * 110, int(4.5 * 110))  # one panel per part
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_dry_run(tmp_path):
+    """bench/gpu_check.sh --cpu: the GPU check's steps on CPU with a small model (DeepSpeed already installed
+    here, so the install from bench/wheels is skipped)."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, env=rank_env(PYTHON=sys.executable, BENCH_RESULTS=tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["bf16_vs_fp32"]["within_bf16_tolerance"] and r["train_bf16"]["param_dtype"] == "torch.bfloat16"
+    assert r["generation"]["greedy_equal"] and r["generation"]["full"]["tokens"] > 0
+    assert r["train_bf16"]["completion_tokens_per_s"] > 0 and r["mfu_bf16"] is None  # no peak FLOPs for a CPU
+
+
+def test_gpu_check_wheels_cover_deepspeeds_imports():
+    """What gpu_check.sh installs on a GPU machine: DeepSpeed's source package and, for Python 3.12, a wheel
+    of each package it may lack, so that the machine needs no network."""
+    wheels = {p.name for p in (REPO / "bench" / "wheels").iterdir()}
+    assert "deepspeed-0.19.8.tar.gz" in wheels
+    for name in ("hjson", "py_cpuinfo", "einops", "ninja", "nvidia_ml_py", "pydantic-", "annotated_types",
+                 "typing_inspection", "setuptools", "wheel", "packaging"):
+        assert any(w.startswith(name) for w in wheels), name
+    for binary in ("msgpack", "pydantic_core"):
+        assert any(w.startswith(binary) and "cp312" in w for w in wheels), binary
+    assert sum((REPO / "bench" / "wheels" / w).stat().st_size for w in wheels) < 20 * 2**20

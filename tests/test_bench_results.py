@@ -104,3 +104,23 @@ def test_lora_vllm_summary():
 
     r = load("lora_vllm.json")
     assert as_json(lora_vllm.summarize(r["runs"])) == r["summary"]
+
+
+def test_scale_summary():
+    import scale
+
+    r = load("scale.json")
+    assert as_json(scale.startup_summary(r["startup"]["rows"])) == {
+        k: r["startup"][k] for k in ("loading_at_world_2_worst", "goal_met_for_loading",
+                                     "startup_peak_at_world_2_worst", "goal_met_for_startup_peak")}
+    assert as_json(scale.logprob_summary(r["logprob"]["rows"])) == {k: r["logprob"][k] for k in ("rows", "goal_met")}
+    # counted, not timed: the current code counts the same positions and FLOPs
+    row = r["padding"]["row"]
+    counted = scale.part_padding(r["model_shape"], row["samples_per_rank"], row["micro_batch"],
+                                 row["max_completion_length"])
+    assert as_json(counted) == r["padding"]
+    if r["throughput"].get("measured", True):
+        assert as_json(scale.throughput_summary(r["throughput"]["row"])) == {
+            k: r["throughput"][k] for k in ("row", "goal_met", "goal_met_cpu_time")}
+    else:  # a part not measured says why, beside its goal
+        assert r["throughput"]["why"] and r["throughput"]["goal"] == scale.GOALS["throughput"]

@@ -1,7 +1,9 @@
 """Checkpoints: exact resume after SIGKILL or SIGTERM mid mu-cycle, atomic saves, config checks, safe loading."""
+import json
 import os
 import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +19,10 @@ from recipe.launch import PREEMPTED_EXIT_CODE, rank_env
 from recipe.launch import torchrun as torchrun_cmd
 from recipe.metrics import read_jsonl
 
-# The quickstart's shape (2 ranks, ZeRO-3) at mu = 4, made short: 12 steps = 3 rollouts of 4 passes.
-RUN = ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--num_iterations", "4", "--max_steps", "12",
-       "--save_steps", "3", "--save_total_limit", "0", "--disable_tqdm", "true"]
+# The quickstart's shape (2 ranks, ZeRO-3, mu = 4) made short: 12 steps = 3 rollouts of 4 passes. The learning
+# rate warms up over 8 steps, then decays (cosine): every resume below (from step 3 or 6) crosses the warmup's end.
+RUN = ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "12", "--save_steps", "3",
+       "--save_total_limit", "0", "--disable_tqdm", "true", "--lr_scheduler_type", "cosine", "--warmup_steps", "8"]
 TIMING = {"tokens_per_s", "step_time_s", "step_cpu_s"}  # and every time_*_s key
 
 
@@ -40,7 +43,9 @@ def assert_same_run(a, b):
         assert torch.equal(wa[k], wb[k]), f"{k} differs after resume"
     ra, rb = comparable(read_jsonl(a / "metrics.jsonl")), comparable(read_jsonl(b / "metrics.jsonl"))
     assert [r["step"] for r in rb] == list(range(1, 13))
-    assert ra == rb
+    assert ra == rb  # learning_rate included: the schedule resumed where it was
+    lrs = [r["learning_rate"] for r in rb]
+    assert lrs[:9] == pytest.approx([0.002 * k / 8 for k in range(9)]) and lrs[8] > lrs[9] > lrs[10] > lrs[11] > 0
 
 
 def start(out, *extra, run=RUN):
@@ -111,7 +116,10 @@ def test_sigusr1_in_a_plain_process_exits_with_the_documented_code(tmp_path):
 @pytest.mark.slow
 def test_truncated_checkpoint_is_skipped_and_previous_used(tmp_path, uninterrupted):
     out = tmp_path / "out"
-    torchrun(2, [*RUN, "--output_dir", str(out), "--max_steps", "9"])  # checkpoints at 3, 6, 9
+    # the reference run's folder as it was at step 9, checkpoints at 3, 6, 9 with its metrics and run record (a
+    # 9-step run would have another cosine schedule)
+    shutil.copytree(uninterrupted, out, ignore=lambda folder, names: [
+        n for n in names if n in ("step-00000012", "final", "run.lock")])
     newest = out / "checkpoints" / "step-00000009"
     victim = newest / "loop_rank1.pt"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a save cut off mid-write
@@ -130,7 +138,27 @@ def test_resume_with_changed_num_generations_is_refused(tmp_path, uninterrupted)
                         "--max_steps", "20"], check=False)
     assert proc.returncode != 0
     assert "cannot resume from" in proc.stderr and "num_generations: 8 -> 4" in proc.stderr
-    assert "max_steps" not in proc.stderr.split("cannot resume")[1].split("\n")[0]  # allowed to change
+    # max_steps sets the cosine schedule's length here, so it may not change either
+    assert "max_steps: 12 -> 20 (it sets the length of the learning-rate schedule" in proc.stderr
+
+
+def test_max_steps_may_change_unless_the_schedule_depends_on_it(tmp_path):
+    folder = tmp_path / "step-00000004"
+    folder.mkdir()
+
+    def check(saved: Config, now: Config):
+        (folder / "meta.json").write_text(json.dumps({"world_size": 1, "config": saved.to_dict()}))
+        Checkpointer(now, 0, 1).check_config(folder)
+
+    warm = {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 3}
+    check(Config(max_steps=10, **warm), Config(max_steps=50, **warm, eval_steps=5, eval_dataset_name="e.jsonl",
+                                               report_to=["tensorboard"], log_completions_steps=2))
+    for schedule in ({"lr_scheduler_type": "linear"},
+                     {"lr_scheduler_type": "constant_with_warmup", "warmup_ratio": 0.1}):
+        with pytest.raises(CheckpointError, match="max_steps: 10 -> 50 .it sets the length"):
+            check(Config(max_steps=10, **schedule), Config(max_steps=50, **schedule))
+    with pytest.raises(CheckpointError, match="eval_holdout_size: 0 -> 4"):  # it changes the training prompts
+        check(Config(), Config(eval_holdout_size=4))
 
 
 def test_explicit_path_must_be_complete(tmp_path):

@@ -1,5 +1,6 @@
 """Config: YAML + CLI overrides, bare flags, names from TRL, field checks and preflight with one-line
 messages and exit code 2 before any work; config.py a leaf of the recipe's import graph."""
+import json
 import subprocess
 import sys
 
@@ -47,9 +48,26 @@ def test_derived_sizes():
     (["--chat_template_kwargs", "[1]"], "chat_template_kwargs: expected a mapping", "fields"),
     (["--learning_rate", "abc"], "learning_rate: expected float", "fields"),
     (["--per_device_train_batch_size", "0"], "per_device_train_batch_size: must be >= 1", "fields"),
+    (["--lr_scheduler_type", "cosine_with_restarts"], "lr_scheduler_type: must be one of constant, "
+     "constant_with_warmup, linear, cosine", "fields"),
+    (["--warmup_steps", "3"], "lr_scheduler_type: constant has no warmup (transformers ignores one); use "
+     "constant_with_warmup", "fields"),
+    (["--warmup_steps", "3", "--warmup_ratio", "0.1"], "warmup_ratio: give warmup_steps (3) or warmup_ratio", "fields"),
+    (["--warmup_ratio", "1.5"], "warmup_ratio: must be in [0, 1)", "fields"),
+    (["--min_lr_ratio", "0.1"], "min_lr_ratio: applies to lr_scheduler_type cosine only", "fields"),
+    (["--eval_steps", "5"], "eval_steps: evaluation needs eval prompts", "fields"),
+    (["--eval_on_start", "true"], "eval_steps: evaluation needs eval prompts", "fields"),
+    (["--eval_holdout_size", "4", "--eval_dataset_name", "x.jsonl"], "eval_holdout_size: give eval_dataset_name or",
+     "fields"),
+    (["--eval_num_generations", "0"], "eval_num_generations: must be >= 1", "fields"),
+    (["--log_completions_steps", "-1"], "log_completions_steps: must be >= 0", "fields"),
+    (["--report_to", "mlflow"], "report_to: unknown tracker(s) ['mlflow']", "fields"),
+    (["--report_to", "[none, wandb]"], "report_to: none goes alone", "fields"),
     # what the environment lacks: the fields themselves are fine, preflight names it
     (["--dataset_name", "missing/prompts.jsonl"], "dataset_name: file not found", "preflight"),
     (["--deepspeed_config", "nope.json"], "deepspeed_config: file not found", "preflight"),
+    (["--eval_dataset_name", "missing/eval.jsonl", "--eval_steps", "2"], "eval_dataset_name: file not found",
+     "preflight"),
     (["--model_name_or_path", "./no/such/model"], "model_name_or_path: folder not found", "preflight"),
     (["--model_name_or_path", "builtin:huge"], "unknown built-in", "preflight"),
     (["--reward_funcs", "[nosuchmodule_xyz:fn]"], "cannot import module", "preflight"),
@@ -90,9 +108,9 @@ def test_sampling_the_trainer_does_not_score_is_refused(field, value):
 
 
 def test_bare_flags_set_bools_true():
-    cfg = load_config(["--config", QUICKSTART, "--disable_tqdm", "--report_to_tensorboard", "--seed", "3",
-                       "--mask_truncated_completions"])
-    assert cfg.disable_tqdm is True and cfg.report_to_tensorboard is True and cfg.mask_truncated_completions is True
+    cfg = load_config(["--config", QUICKSTART, "--disable_tqdm", "--eval_on_start", "--eval_holdout_size", "2",
+                       "--seed", "3", "--mask_truncated_completions"])
+    assert cfg.disable_tqdm is True and cfg.eval_on_start is True and cfg.mask_truncated_completions is True
     assert cfg.seed == 3
     assert load_config(["--disable_tqdm", "false"]).disable_tqdm is False  # an explicit value still works
     _, overrides = parse_cli(["--gradient_checkpointing", "--bf16"])
@@ -169,3 +187,28 @@ def test_seed_range_empty_config_and_yaml_errors_with_their_place(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(["--config", str(tmp_path / "c.yaml")])
     assert "is not valid YAML: line 3, column 5: " in str(e.value) and "\n" not in str(e.value)
+def test_a_deepspeed_scheduler_is_refused_one_schedule_is_the_recipes(tmp_path):
+    conf = json.loads((REPO / "ds_configs/zero3.json").read_text())
+    conf["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
+    path = tmp_path / "with_scheduler.json"
+    path.write_text(json.dumps(conf))
+    with pytest.raises(ConfigError, match='deepspeed_config: .* has a "scheduler"; remove it'):
+        preflight(load_config(["--config", QUICKSTART, "--deepspeed_config", str(path)]))
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="deepspeed_config: .* is not valid JSON"):
+        preflight(load_config(["--config", QUICKSTART, "--deepspeed_config", str(path)]))
+
+
+def test_report_to_takes_a_list_or_one_name_and_the_old_tensorboard_flag_says_what_to_write():
+    assert load_config([]).report_to == ["none"]
+    assert load_config(["--report_to", "wandb"]).report_to == ["wandb"]
+    assert load_config(["--report_to", "[tensorboard, wandb]"]).report_to == ["tensorboard", "wandb"]
+    with pytest.raises(ConfigError, match=r"report_to_tensorboard: replaced by report_to: write report_to: "
+                                          r"\[tensorboard\]"):
+        load_config(["--report_to_tensorboard", "true"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipe/configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(["--config", str(path)], world_size=2)
+    assert cfg.max_steps >= 1

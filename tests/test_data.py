@@ -1,5 +1,6 @@
 """Prompt data: file formats, dataset configs and split slices, chat template, system prompt and template
-kwargs, conversational prompts, left truncation and padding, rank shards, epoch order, named column errors."""
+kwargs, conversational prompts, left truncation and padding, rank shards, epoch order, named column errors,
+eval prompts."""
 import gzip
 import json
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from recipe.config import Config
-from recipe.data import DataError, PromptStream, check_prompts, left_pad, load_prompt_dataset, uses_chat_template
+from recipe.data import (DataError, PromptStream, check_prompts, left_pad, load_datasets, load_prompt_dataset,
+                         uses_chat_template)
 from recipe.engine import load_tokenizer
 
 
@@ -238,3 +240,37 @@ def test_an_empty_file_is_named(tmp_path, text):
     (tmp_path / "p.jsonl").write_text(text)
     with pytest.raises(DataError, match=r"dataset_name: .*p.jsonl is empty \(\d+ bytes, no rows\)"):
         load_prompt_dataset(cfg_for(tmp_path / "p.jsonl"))
+def test_eval_prompts_from_their_own_file_or_held_out_of_the_train_set(tmp_path, tok):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"train {i}", "answer": str(i)} for i in range(10)])
+    evals = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"eval {i}", "answer": str(i)} for i in range(3)])
+    ds, ev = load_datasets(cfg_for(train))
+    assert len(ds) == 10 and ev is None
+    ds, ev = load_datasets(cfg_for(train, eval_dataset_name=str(evals)))
+    assert len(ds) == 10 and list(ev["prompt"]) == ["eval 0", "eval 1", "eval 2"]
+    ds, ev = load_datasets(cfg_for(train, eval_holdout_size=4))
+    again = load_datasets(cfg_for(train, eval_holdout_size=4))[1]
+    assert len(ds) == 6 and len(ev) == 4 and list(ev["prompt"]) == list(again["prompt"])  # fixed by the seed
+    # a split, no overlap
+    assert sorted(list(ds["prompt"]) + list(ev["prompt"])) == sorted(f"train {i}" for i in range(10))
+    assert list(load_datasets(cfg_for(train, eval_holdout_size=4, seed=7))[1]["prompt"]) != list(ev["prompt"])
+    # eval rows are formatted and truncated like training prompts
+    stream = PromptStream(ev, tok, cfg_for(train, max_prompt_length=2), 0, 1)
+    batch = stream.rows([0, 1])
+    assert list(batch.prompts) == list(ev["prompt"])[:2] and all(len(p) == 2 for p in batch.prompt_ids)
+    with pytest.raises(DataError, match="eval_holdout_size: 10 leaves no training prompts"):
+        load_datasets(cfg_for(train, eval_holdout_size=10))
+    with pytest.raises(DataError, match="^prompt_column: dataset .*bad.jsonl has no column 'prompt'"):
+        load_datasets(cfg_for(train, eval_dataset_name=str(write_jsonl(tmp_path / "bad.jsonl", [{"q": "x"}]))))
+    # a split of the eval file: slices work, and an error names the eval field
+    ds, ev = load_datasets(cfg_for(train, eval_dataset_name=str(evals), eval_dataset_split="train[1:]"))
+    assert list(ev["prompt"]) == ["eval 1", "eval 2"]
+    with pytest.raises(DataError, match="^eval_dataset_split: cannot load .*eval.jsonl.* split 'validation'"):
+        load_datasets(cfg_for(train, eval_dataset_name=str(evals), eval_dataset_split="validation"))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="^eval_dataset_name: .*empty.jsonl is empty"):
+        load_datasets(cfg_for(train, eval_dataset_name=str(tmp_path / "empty.jsonl")))
+    # every eval prompt is checked as the train prompts are, naming the eval file
+    bad = write_jsonl(tmp_path / "bad_prompt.jsonl", [{"prompt": "x"}, {"prompt": ""}])
+    cfg = cfg_for(train, eval_dataset_name=str(bad))
+    with pytest.raises(DataError, match="^prompt_column: row 1 of .*bad_prompt.jsonl has an empty 'prompt'"):
+        check_prompts(load_datasets(cfg)[1], cfg, chat=False, name=cfg.eval_dataset_name)

@@ -84,12 +84,17 @@ def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path, tp):
 @needs_vllm
 @pytest.mark.slow
 def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
+    """Also evaluates through vLLM (greedy: temperature 0) before the first step and at the end of rollouts 9
+    and 19; the evaluation's sync is the one the next rollout needed, so the syncs stay one per rollout."""
     out = tmp_path / "qs"
     torchrun(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--generation_backend", "vllm",
                  "--max_steps", "80", "--vllm_tis_cap", "2.0", "--output_dir", str(out),
-                 "--disable_tqdm", "true"],
+                 "--disable_tqdm", "true", "--eval_holdout_size", "5", "--eval_steps", "40", "--eval_on_start", "true"],
              timeout=1200)
     records = read_jsonl(out / "metrics.jsonl")
+    evals = [r for r in records if "eval/greedy/reward" in r]
+    assert [r["step"] for r in evals] == [0, 40, 80] and all(r["eval/prompts"] == 5 for r in evals)
+    records = records[1:]
     assert len(records) == 80
     # quickstart mu = 4: a sync after each rollout that another follows, timed on the next rollout's first step
     assert [r["weight_syncs"] for r in records] == [r["generation"] for r in records]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from recipe.loss import (clip_counts, group_advantages, k3_kl, loss_normalizers, policy_loss, reduce_loss,
-                         token_logps, truncated_is_weights)
+                         token_logps, truncated_is_weights, zero_std_groups)
 
 LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo")
 
@@ -195,9 +195,73 @@ def test_policy_loss_with_is_weights_matches_direct_formula(loss_type):
 def test_loss_normalizers_are_each_loss_types_units_per_step_over_world():
     """Units in the whole optimizer step over all ranks / world size; dapo: the rollout's mean tokens per step."""
     tokens = torch.tensor([[30.0, 50.0, 0.0], [40.0, 20.0, 20.0]])  # [pass, step], summed over 2 ranks
+    seqs = torch.full((2, 3), 16.0)  # 8 sequences per step on each of 2 ranks
     for lt in ("grpo", "dr_grpo"):
-        assert loss_normalizers(lt, tokens, step_sequences=8, world_size=2).tolist() == [[8.0] * 3] * 2
-    assert loss_normalizers("step_token_mean", tokens, 8, 2).tolist() == [[15.0, 25.0, 0.5], [20.0, 10.0, 10.0]]
-    assert loss_normalizers("dapo", tokens, 8, 2).flatten().tolist() == pytest.approx([80 / 3 / 2] * 6)
+        assert loss_normalizers(lt, tokens, step_sequences=seqs, world_size=2).tolist() == [[8.0] * 3] * 2
+    # zero_std_filter: steps train different numbers of sequences; a step with none divides by 1, not 0
+    fewer = torch.tensor([[16.0, 5.0, 0.0], [3.0, 9.0, 16.0]])
+    assert loss_normalizers("grpo", tokens, fewer, 2).tolist() == [[8.0, 2.5, 0.5], [1.5, 4.5, 8.0]]
+    assert loss_normalizers("step_token_mean", tokens, seqs, 2).tolist() == [[15.0, 25.0, 0.5], [20.0, 10.0, 10.0]]
+    assert loss_normalizers("dapo", tokens, seqs, 2).flatten().tolist() == pytest.approx([80 / 3 / 2] * 6)
     with pytest.raises(ValueError, match="loss_type"):
-        loss_normalizers("ppo", tokens, 8, 2)
+        loss_normalizers("ppo", tokens, seqs, 2)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_comes_with_the_log_probs_and_equals_the_direct_formula(temperature, monkeypatch):
+    import recipe.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "LOGPS_CHUNK_ELEMENTS", 3 * 11)  # several chunks of positions
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5, 11, generator=g) * 3
+    logits[0, 0, 0] = 40.0  # a near one-hot position: entropy near 0
+    ids = torch.randint(0, 11, (3, 5), generator=g)
+    plain = token_logps(logits, ids, temperature)
+    logp, entropy = token_logps(logits.requires_grad_(), ids, temperature, with_entropy=True)
+    assert torch.equal(logp, plain) and not entropy.requires_grad
+    p = torch.softmax(logits.detach().double() / temperature, -1)
+    direct = -(p * p.log()).sum(-1)  # H = -sum p log p, element by element in float64
+    torch.testing.assert_close(entropy.double(), direct, atol=1e-5, rtol=1e-5)
+    assert entropy[0, 0] < 1e-6 and (entropy <= math.log(11) + 1e-5).all()
+
+
+def test_zero_std_groups_are_the_groups_whose_rewards_are_all_equal():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, -2.5, -2.5, -2.5, -2.5])
+    assert zero_std_groups(rewards, 4).tolist() == [True, False, True]
+    assert group_advantages(rewards, 4)[torch.arange(12) // 4 != 1].abs().max() == 0  # they teach nothing
+    assert zero_std_groups(torch.tensor([0.3, 0.3 + 1e-7]), 2).tolist() == [False]
+
+
+@pytest.mark.parametrize("own_logits", [False, True])
+@pytest.mark.parametrize("chunk", [1 << 24, 5])  # one chunk per row; several chunks per row
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logps_equal_full_log_softmax_with_gradient(monkeypatch, chunk, temperature, own_logits):
+    """The chunked selective log-softmax against the full fp32 log-softmax, values and gradients (float64 truth)."""
+    import recipe.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "LOGPS_CHUNK_ELEMENTS", chunk * 13)
+    g = torch.Generator().manual_seed(0)
+    leaf = (torch.randn(3, 9, 13, generator=g) * 4).requires_grad_(True)  # 9 positions, the last ignored
+    ids = torch.randint(0, 13, (3, 8), generator=g)
+    w = torch.randn(3, 8, generator=g)
+    logits = leaf * 1.0  # a non-leaf, as a model's output is
+    full = leaf.detach().double().requires_grad_(True)
+    got = token_logps(logits, ids, temperature, own_logits=own_logits)
+    (grad,) = torch.autograd.grad((got * w).sum(), leaf)
+    want = torch.log_softmax(full[:, :8] / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (want_grad,) = torch.autograd.grad((want * w.double()).sum(), full)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad.double(), want_grad, atol=1e-5, rtol=0)
+    assert grad[:, 8].abs().max() == 0  # the position past the completion gets no gradient
+
+
+def test_token_logps_of_bf16_logits_are_fp32_and_keep_the_logits_dtype_for_the_gradient():
+    logits = torch.randn(2, 4, 50, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, 50, (2, 4))
+    got = token_logps(logits, ids)
+    want = torch.log_softmax(logits.detach().float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    got.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16

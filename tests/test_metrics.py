@@ -1,10 +1,10 @@
 """Metrics: the JSONL reading rule (a torn last line is a write in progress), the logger's cut back to a
-resumed step, the reward quarters, the timer."""
+resumed step, the bar per optimizer step, completion samples, the reward quarters, the timer."""
 import json
 
 import pytest
 
-from recipe.metrics import MetricsLogger, Timer, read_jsonl, reward_quarters
+from recipe.metrics import MetricsLogger, Timer, read_jsonl, reward_quarters, sample_rows
 
 
 def test_read_jsonl_leaves_out_a_torn_last_line_only(tmp_path):
@@ -40,3 +40,43 @@ def test_timer_accumulates_until_popped():
     out = timer.pop("forward", "backward")
     assert set(out) == {"time_forward_s", "time_backward_s"} and out["time_forward_s"] > 0
     assert out["time_backward_s"] == 0.0 and timer.pop("forward") == {"time_forward_s": 0.0}
+
+
+def test_bar_advances_every_optimizer_step_whatever_logging_steps_is(tmp_path):
+    logger = MetricsLogger(tmp_path, rank=0, total_steps=6)
+    for step in range(1, 7):
+        record = {"step": step, "reward_mean": 0.5, "loss": 0.0}
+        if step % 4 == 0:  # logging_steps 4: one line written
+            logger.log(record)
+        logger.advance(record)
+    assert logger.bar.n == 6
+    logger.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [4]
+
+
+def test_completion_samples_are_rows_with_rewards_and_advantages_and_resume_cuts_them(tmp_path):
+    import torch
+
+    prompts, texts = ["p0", "p0", "p1", "p1"], ["a", "bb", "ccc", "dddd"]
+    rewards, adv = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0.7, -0.7, 0.0, 0.0])
+    per_func = {"length": torch.tensor([-1.0, -2.0, -3.0, -4.0]),
+                "accuracy": torch.tensor([1.0, 0.0, float("nan"), 1.0])}
+    rows = sample_rows(5, prompts, texts, rewards, per_func, adv, count=3)
+    assert rows[1] == {"generation": 5, "prompt": "p0", "completion": "bb", "reward": 0.0, "reward/length": -2.0,
+                       "reward/accuracy": 0.0, "advantage": pytest.approx(-0.7)}
+    assert len(rows) == 3 and rows[2]["reward/accuracy"] is None  # accuracy returned None for it
+    logger = MetricsLogger(tmp_path, rank=0, total_steps=4, disable_tqdm=True)
+    logger.log_completions(2, rows)
+    logger.log_completions(4, rows[:1])
+    logger.close()
+    got = read_jsonl(tmp_path / "completions.jsonl")
+    assert [r["step"] for r in got] == [2, 2, 2, 4] and got[0] == {"step": 2, **rows[0]}
+    MetricsLogger(tmp_path, rank=0, total_steps=4, initial_step=3, disable_tqdm=True).close()  # resumed at 3
+    assert [r["step"] for r in read_jsonl(tmp_path / "completions.jsonl")] == [2, 2, 2]
+    MetricsLogger(tmp_path / "other", rank=1, total_steps=4).log_completions(2, rows)  # only rank 0 writes
+    assert not (tmp_path / "other").exists()
+
+
+def test_reward_quarters_skip_an_eval_only_line():
+    records = [{"step": 0, "eval/greedy/reward": 9.0}] + [{"step": s, "reward_mean": float(s)} for s in range(1, 9)]
+    assert reward_quarters(records) == (1.5, 7.5)

@@ -45,7 +45,8 @@ def saved(out):
 
 def test_rerun_without_resume_is_refused_and_overwrite_replaces_only_the_runs_outputs(tmp_path):
     out = tmp_path / "out"
-    run(out)
+    run(out, "--log_completions_steps", "3", "--report_to", "tensorboard")
+    (out / "wandb" / "offline-run-1").mkdir(parents=True)  # where report_to wandb writes (its own files)
     (out / "notes.txt").write_text("mine")  # the user's, not the recipe's
     before = snapshot(out)
     proc = run(out, "--max_steps", "2", check=False)
@@ -60,6 +61,7 @@ def test_rerun_without_resume_is_refused_and_overwrite_replaces_only_the_runs_ou
     assert steps(out) == [1, 2, 3, 4] and saved(out) == ["step-00000002", "step-00000004"]
     assert (out / "checkpoints" / "latest").read_text() == "step-00000004"
     assert (out / "notes.txt").read_text() == "mine" and (out / "final" / "config.json").exists()
+    assert not any((out / name).exists() for name in ("completions.jsonl", "tensorboard", "wandb"))  # the old run's
 
 
 def test_resume_from_an_earlier_checkpoint_then_auto_follows_the_new_branch(tmp_path):

@@ -1,4 +1,5 @@
-"""The recipe end to end: plain process, torchrun, the deepspeed launcher, and the quickstart config."""
+"""The recipe end to end: plain process, torchrun, the deepspeed launcher, the quickstart config, and the options
+users of TRL, OpenRLHF and verl expect on the one loop (schedule, evaluation, samples, trackers, metrics)."""
 import subprocess
 import sys
 
@@ -11,11 +12,37 @@ from recipe.metrics import read_jsonl, reward_quarters
 
 QUICKSTART = "recipe/configs/quickstart.yaml"
 REQUIRED_KEYS = {"step", "generation", "iteration", "loss", "reward_mean", "reward_std", "reward/length",
+                 "reward/length_std", "frac_reward_zero_std", "entropy", "learning_rate",
                  "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "completion_length_mean",
                  "truncated_fraction", "old_logp_forwards", "tokens_per_s", "time_generate_s", "time_score_s",
                  "time_old_logp_s", "time_train_s", "step_time_s"}
 SHORT = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
          "--num_generations", "4", "--max_completion_length", "8", "--disable_tqdm", "true"]
+
+
+def test_rollout_statistics_against_direct_computation():
+    from recipe.generation import Completions
+    from recipe.loss import zero_std_groups
+    from recipe.train import rollout_stats
+
+    g = torch.Generator().manual_seed(0)
+    length = torch.randn(12, generator=g)
+    nan = float("nan")  # accuracy returned None there: it does not apply to those samples
+    accuracy = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 0, 0, nan, 0, nan])
+    length[:4] = length[0]  # group 0: length equal too; group 2 differs in length only
+    total = length + 0.5 * accuracy.nan_to_num()
+    mask = (torch.arange(6) < torch.randint(1, 7, (12, 1), generator=g)).float()
+    comp = Completions([[1]] * 12, mask, mask.sum(-1) == 6, ["x"] * 12)
+    stats = rollout_stats(total, {"length": length, "accuracy": accuracy}, comp, 3, False, zero_std_groups(total, 4))
+    assert stats["frac_reward_zero_std"] == pytest.approx(1 / 3)  # group 0 of 3: all its rewards equal
+    assert stats["reward_mean"] == pytest.approx(total.mean().item())
+    assert stats["reward_std"] == pytest.approx(total.std().item())  # sample std, as torch.std
+    assert stats["reward/length_std"] == pytest.approx(length.std().item(), rel=1e-6)
+    applies = accuracy[~accuracy.isnan()]  # each function over the samples it applies to
+    assert stats["reward/accuracy_std"] == pytest.approx(applies.std().item(), rel=1e-6)
+    assert stats["reward/accuracy"] == pytest.approx(5 / 10)
+    assert stats["completion_length_mean"] == pytest.approx(mask.sum().item() / 12)
+    assert stats["truncated_fraction"] == pytest.approx((mask.sum(-1) == 6).float().mean().item())
 
 
 def check_final_model(out):
@@ -53,7 +80,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
-    assert len(records) == 4 and records[1]["iteration"] == 1  # auto: an on-policy pass is always replayed
+    assert len(records) == 4 and records[-1]["iteration"] == 3  # quickstart mu = 4
     assert records[-1]["old_logp_forwards"] == 0  # spg = 1: captured from the first pass, no extra forward
 
 
@@ -88,8 +115,7 @@ def test_quickstart_end_to_end_reward_rises(tmp_path):
     assert len(records) == 160 and REQUIRED_KEYS <= set(records[0])
     first, last = reward_quarters(records)
     assert last > first + 5.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
-    assert {0, 1} <= {r["iteration"] for r in records} <= set(range(8))  # num_iterations: auto, at most 8 passes
-    assert records[-1]["reuse_generation_share"] is not None  # priced once rollouts 1-3 gave the cost ratio
+    assert {r["iteration"] for r in records} == {0, 1, 2, 3}
     assert records[-1]["old_logp_forwards"] == 0
     check_final_model(out)
 
@@ -108,3 +134,108 @@ def test_train_your_own_example_config_end_to_end(tmp_path):
     assert {"reward/math_accuracy", "reward/format_reward"} <= set(records[0])
     assert all(0.0 <= r["reward/math_accuracy"] <= 1.0 for r in records)
     check_final_model(out)
+
+
+# Two short 2-rank runs alike but for evaluation, samples and trackers (on in the first, off in the second).
+FEATURES = ["--config", QUICKSTART, "--max_steps", "6", "--per_device_train_batch_size", "4",
+            "--gradient_accumulation_steps", "2", "--num_generations", "4", "--max_completion_length", "8",
+            "--num_iterations", "2", "--lr_scheduler_type", "cosine", "--warmup_steps", "2", "--min_lr_ratio", "0.1",
+            "--eval_holdout_size", "5", "--zero_std_filter", "true", "--save_steps", "2", "--save_total_limit", "0"]
+EVAL_ON = ["--eval_steps", "2", "--eval_on_start", "true", "--eval_num_generations", "2",
+           "--per_device_eval_batch_size", "2", "--log_completions_steps", "3", "--num_prompts_to_log", "1",
+           "--report_to", "[tensorboard, wandb]", "--run_name", "e2e", "--logging_steps", "5",
+           "--disable_tqdm", "false"]
+TRAINING_ONLY = {"tokens_per_s", "step_time_s"}  # timings differ run to run
+
+
+def training_part(record):
+    return {k: v for k, v in record.items() if not k.startswith(("eval/", "time_")) and k not in TRAINING_ONLY}
+
+
+def greedy_eval_reward_of_the_initial_model(tiny_model_dir):
+    """Independently: each held-out prompt decoded greedily, alone, by the plain model; the length reward's mean."""
+    from transformers import AutoModelForCausalLM
+
+    from recipe.config import load_config
+    from recipe.data import PromptStream, load_datasets
+    from recipe.engine import load_tokenizer
+
+    cfg = load_config(FEATURES)
+    tok = load_tokenizer(str(tiny_model_dir))
+    held = PromptStream(load_datasets(cfg)[1], tok, cfg, 0, 1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rewards = []
+    for ids in held.rows(list(range(5))).prompt_ids:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+        rewards.append(-abs(40 - len(tok.decode(out[0, len(ids):], skip_special_tokens=True))))
+    return sum(rewards) / len(rewards)
+
+
+@pytest.mark.slow
+def test_eval_samples_trackers_and_schedule_leave_training_unchanged(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from recipe.schedule import lr_factor
+    from test_trackers import SECRET, assert_no_secret, tensorboard_events, wandb_config, wandb_history
+
+    on, off = tmp_path / "on", tmp_path / "off"
+    proc = torchrun(2, ["-m", "recipe.train", *FEATURES, *EVAL_ON, "--output_dir", str(on)], WANDB_MODE="offline",
+                    WANDB_API_KEY=SECRET, WANDB_SILENT="true")
+    torchrun(2, ["-m", "recipe.train", *FEATURES, "--disable_tqdm", "true", "--output_dir", str(off)])
+
+    # Evaluation costs no training state: same weights, same training metrics, same RNG streams at every save.
+    a, b = load_file(str(on / "final" / "model.safetensors")), load_file(str(off / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    with_eval, without = read_jsonl(on / "metrics.jsonl"), read_jsonl(off / "metrics.jsonl")
+    by_step = {r["step"]: r for r in without}
+    assert [r["step"] for r in with_eval] == [0, 2, 4, 5, 6]  # eval_on_start, eval steps, logging_steps 5, the last
+    assert all(training_part(r) == training_part(by_step[r["step"]]) for r in with_eval[1:])
+    for step in (2, 4, 6):
+        for rank in (0, 1):
+            rng_on, rng_off = (torch.load(d / "checkpoints" / f"step-{step:08d}" / f"loop_rank{rank}.pt",
+                                          weights_only=True)["rng"] for d in (on, off))
+            assert rng_on["python"] == rng_off["python"] and torch.equal(rng_on["torch"], rng_off["torch"])
+            assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+                       for x, y in zip(rng_on["numpy"], rng_off["numpy"]))
+
+    # The schedule: once per optimizer step (2 micro-batches each), warmup then cosine to 0.1 x lr.
+    lrs = [r["learning_rate"] for r in without]
+    assert lrs == pytest.approx([0.002 * lr_factor(k, "cosine", 6, 2, 0.1) for k in range(6)], abs=1e-12)
+    assert lrs[:3] == pytest.approx([0.0, 0.001, 0.002])
+
+    # eval/ metrics at steps 0, 2, 4, 6 only; at step 0 equal to the plain model's greedy decoding of the held-out set
+    keys = {"eval/prompts", "eval/greedy/reward", "eval/greedy/reward/length", "eval/greedy/completion_length",
+            "eval/sampled/reward", "eval/sampled/reward/length", "eval/sampled/completion_length", "eval/time_s"}
+    assert [r["step"] for r in with_eval if keys <= set(r)] == [0, 2, 4, 6] and with_eval[0]["eval/prompts"] == 5
+    assert not any(k.startswith("eval/") for k in with_eval[3])
+    assert with_eval[0]["eval/greedy/reward"] == pytest.approx(greedy_eval_reward_of_the_initial_model(tiny_model_dir))
+
+    # completions.jsonl: rank 0's first prompt with its 4 completions at steps 3 and 6; rewards and advantages direct
+    rows = read_jsonl(on / "completions.jsonl")
+    assert [r["step"] for r in rows] == [3] * 4 + [6] * 4
+    assert set(rows[0]) == {"step", "generation", "prompt", "completion", "reward", "reward/length", "advantage"}
+    for group in (rows[:4], rows[4:]):
+        rewards = torch.tensor([-abs(40.0 - len(r["completion"])) for r in group])
+        assert [r["reward"] for r in group] == rewards.tolist() == [r["reward/length"] for r in group]
+        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)  # TRL's std + 1e-4
+        assert [r["advantage"] for r in group] == pytest.approx(expected.tolist(), abs=1e-6)
+        assert len({r["prompt"] for r in group}) == 1
+    assert {r["generation"] for r in rows} == {1, 2}  # steps 3 and 6 train on rollouts 1 and 2
+
+    # TensorBoard and wandb (offline) got the same numbers; the secret from the environment reached no file
+    tb = tensorboard_events(on / "tensorboard")
+    assert [e.step for e in tb.Scalars("eval/greedy/reward")] == [0, 2, 4, 6]
+    assert [e.value for e in tb.Scalars("learning_rate")] == pytest.approx([r["learning_rate"] for r in with_eval[1:]])
+    assert [e.step for e in tb.Tensors("completions/text_summary")] == [3, 6]
+    (run_dir,) = (on / "wandb").glob("offline-run-*")
+    history = wandb_history(run_dir)
+    assert sorted(history) == [0, 2, 3, 4, 5, 6]  # step 3: the completions table only
+    assert [history[s]["learning_rate"] for s in (2, 4, 5, 6)] == pytest.approx(lrs[1:2] + lrs[3:])
+    assert history[0]["eval/greedy/reward"] == with_eval[0]["eval/greedy/reward"]
+    assert history[3]["completions/nrows"] == 4 and wandb_config(run_dir)["lr_scheduler_type"] == "cosine"
+    assert_no_secret(on)
+
+    # the bar moved every optimizer step although only steps 5 and 6 were logging steps
+    assert all(f"| {k}/6 [" in proc.stderr for k in range(1, 7))

@@ -26,11 +26,50 @@ def ref_logps(model, buf, idx):
     return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, -c:].unsqueeze(-1)).squeeze(-1)
 
 
-def reference_update(tiny_model_dir, cfg: Config, world: int, wrap=None):
-    """Plain PyTorch: one model, one AdamW, each optimizer step's samples from all ranks in one batch.
+def ref_entropy_sum(model, buf, idx, temperature):
+    """Sum over the samples' completion tokens of the entropy of softmax(logits / T), in float64."""
+    c = buf.completion_mask.shape[1]
+    ids, attn = buf.input_ids[idx], buf.attention_mask[idx]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+    ent = torch.distributions.Categorical(logits=logits[:, -c - 1:-1].double() / temperature).entropy()
+    return (ent * buf.completion_mask[idx]).sum().item()
+
+
+def hf_scheduler(opt, cfg: Config):
+    """transformers' own scheduler for the config's schedule (the recipe's must step exactly like it)."""
+    from transformers import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
+                              get_linear_schedule_with_warmup)
+
+    if cfg.lr_scheduler_type == "cosine":
+        return get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.max_steps,
+                                                           min_lr_rate=cfg.min_lr_ratio)
+    if cfg.lr_scheduler_type == "linear":
+        return get_linear_schedule_with_warmup(opt, cfg.warmup_steps, cfg.max_steps)
+    return get_constant_schedule_with_warmup(opt, cfg.warmup_steps)
+
+
+def step_samples(bufs, cfg: Config, p: int, s: int, dropped):
+    """Per rank, the samples optimizer step (p, s) trains. Without left-out samples: the buffer's schedule. With
+    them (zero_std_filter): the pass's shuffled order without them, cut into optimizer_steps_per_pass even parts."""
+    spg = cfg.optimizer_steps_per_pass
+    if not cfg.zero_std_filter:
+        return [torch.cat(b.schedule(p, spg, cfg.per_device_train_batch_size)[s]) for b in bufs]
+    out = []
+    for b, drop in zip(bufs, dropped):
+        order = torch.randperm(len(b), generator=torch.Generator().manual_seed(b.order_seed * 1000 + p)).tolist()
+        out.append(torch.tensor([i for i in order if not drop[i]], dtype=torch.long).tensor_split(spg)[s])
+    return out
+
+
+def reference_update(tiny_model_dir, cfg: Config, world: int, wrap=None, zero_std_groups=()):
+    """Plain PyTorch: one model, one AdamW (and transformers' scheduler), each optimizer step's samples from all
+    ranks in one batch; with zero_std_filter, the samples of `zero_std_groups` are simply not there.
 
     `wrap(model)` may replace the model (e.g. with a peft LoRA model); AdamW then gets its trainable parameters.
     """
+    from dataclasses import replace
+
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -39,17 +78,26 @@ def reference_update(tiny_model_dir, cfg: Config, world: int, wrap=None):
     ref_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-    bufs = [local_buffer(cfg, r, world) for r in range(world)]
+    sched = hf_scheduler(opt, cfg)
+    # every sample in the buffers; the ones a filter leaves out are dropped here, by group
+    bufs = [local_buffer(replace(cfg, zero_std_filter=False), r, world, zero_std_groups=zero_std_groups)
+            for r in range(world)]
+    n = cfg.completions_per_rollout
+    dropped = [torch.isin((torch.arange(n) + r * n) // cfg.num_generations, torch.tensor(list(zero_std_groups),
+                                                                                        dtype=torch.long))
+               for r in range(world)]
     with torch.no_grad():
         old = [ref_logps(model, b, torch.arange(len(b))) for b in bufs]
     spg = cfg.optimizer_steps_per_pass
-    rollout_tokens = sum(b.completion_mask.sum() for b in bufs)
-    kls, clips = [], []
+    kept = [~d if cfg.zero_std_filter else torch.ones_like(d) for d in dropped]
+    rollout_tokens = sum(b.completion_mask[k].sum() for b, k in zip(bufs, kept))
+    kls, clips, entropies, lrs = [], [], [], []
     for p in range(cfg.num_iterations):
         for s in range(spg):
-            terms, n_seq, n_tok, stats = [], 0, 0.0, []
-            for r, b in enumerate(bufs):
-                idx = torch.cat(b.schedule(p, spg, cfg.per_device_train_batch_size)[s])
+            terms, n_seq, n_tok, stats, ent = [], 0, 0.0, [], 0.0
+            lrs.append(opt.param_groups[0]["lr"])
+            for r, (b, idx) in enumerate(zip(bufs, step_samples(bufs, cfg, p, s, dropped))):
+                ent += ref_entropy_sum(model, b, idx, cfg.temperature)
                 lp = ref_logps(model, b, idx)
                 ratio = torch.exp(lp - old[r][idx])
                 adv = b.advantages[idx].unsqueeze(-1)
@@ -74,11 +122,14 @@ def reference_update(tiny_model_dir, cfg: Config, world: int, wrap=None):
             opt.zero_grad()
             loss.backward()
             opt.step()
+            sched.step()
+            entropies.append(ent / n_tok.item())
             # reuse statistics, straight from the definitions: k3 = r - 1 - log r, clipped = r outside the interval
             kls.append(sum(((r - 1 - torch.log(r)) * m).sum() for r, m in stats).item() / n_tok.item())
             clips.append(sum((((r < 1 - cfg.epsilon) | (r > 1 + cfg.eps_high)) * m).sum() for r, m in stats).item()
                          / n_tok.item())
     reference_update.stats = (kls, clips)
+    reference_update.logged = {"entropy": entropies, "learning_rate": lrs}
     return model.state_dict(), old
 
 
@@ -90,53 +141,75 @@ def max_diff(a: dict, b: dict) -> float:
 def test_zero3_two_ranks_mu2_equals_single_process_reference(tmp_path, tiny_model_dir):
     cases = [{"name": lt, "loss_type": lt, "num_iterations": 2, "optimizer_steps_per_pass": 2,
               "gradient_accumulation_steps": 2} for lt in LOSS_TYPES]
-    cases.append({"name": "kl", "loss_type": "grpo", "num_iterations": 2, "optimizer_steps_per_pass": 2,
-                  "gradient_accumulation_steps": 2, "beta": 0.1})
+    shape = {"num_iterations": 2, "optimizer_steps_per_pass": 2, "gradient_accumulation_steps": 2}
+    cases.append({"name": "kl", "loss_type": "grpo", **shape, "beta": 0.1})
+    # zero_std_filter: global groups 1 and 2 (one on each rank) have all-equal rewards and are left out
+    cases.append({"name": "filter_dapo", "loss_type": "dapo", **shape, "zero_std_filter": True,
+                  "zero_std_groups": [1, 2]})
+    # ... with a sequence-level loss, KL and a schedule, which DeepSpeed must step once per optimizer step (2
+    # micro-batches each), as transformers' scheduler does in the reference
+    cases.append({"name": "filter_grpo_kl_cosine", "loss_type": "grpo", **shape, "beta": 0.1, "zero_std_filter": True,
+                  "zero_std_groups": [1, 2], "lr_scheduler_type": "cosine", "warmup_steps": 1, "max_steps": 4,
+                  "min_lr_ratio": 0.1})
+    # ... and with no such group, the filter changes nothing, to the bit
+    cases.append({"name": "filter_dapo_none", "loss_type": "dapo", **shape, "zero_std_filter": True})
     got = run_cases(tmp_path, 2, [dict(c) for c in cases], "parity")
+    assert all(torch.equal(got["dapo"]["state"][k], v) for k, v in got["filter_dapo_none"]["state"].items())
     for case in cases:
-        name = case.pop("name")
+        name, zero_std_groups = case.pop("name"), case.pop("zero_std_groups", ())
         cfg = Config(**{**BASE, **case})
-        expected, old = reference_update(tiny_model_dir, cfg, world=2)
+        expected, old = reference_update(tiny_model_dir, cfg, world=2, zero_std_groups=zero_std_groups)
         kls, clips = reference_update.stats
+        logged = reference_update.logged
+        # entropy from the training forward's own logits, and the learning rate each step used
+        torch.testing.assert_close(got[name]["entropy"], torch.tensor(logged["entropy"], dtype=torch.float64),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[name]["learning_rate"], torch.tensor(logged["learning_rate"],
+                                                                            dtype=torch.float64), atol=0, rtol=1e-12)
         # the adaptive-reuse statistics, logged per step, against the same quantities computed directly
         torch.testing.assert_close(got[name]["approx_kl"], torch.tensor(kls, dtype=torch.float64), atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(got[name]["clip_ratio_region"], torch.tensor(clips, dtype=torch.float64),
                                    atol=1e-6, rtol=0)
         assert got[name]["approx_kl"][0] == 0 and got[name]["approx_kl"][-1] > 0
-        initial = reference_update(tiny_model_dir, Config(**{**BASE, **case, "num_iterations": 1}), 2)[0]
+        initial = reference_update(tiny_model_dir, Config(**{**BASE, **case, "num_iterations": 1}), 2,
+                                   zero_std_groups=zero_std_groups)[0]
         moved = max_diff(initial, expected)
         diff = max_diff(got[name]["state"], expected)
         assert moved > 1e-3, f"{name}: the update should move the weights (moved {moved})"
         assert diff < 1e-5, f"{name}: ZeRO-3 2-rank weights differ from the reference by {diff}"
-        # Old log-probs: each sample's stored exactly once, equal to the pre-update policy's.
-        assert got[name]["stores"].tolist() == [1] * len(got[name]["stores"])
-        torch.testing.assert_close(got[name]["old_logps"].nan_to_num(0) * local_buffer(cfg, 0, 2).completion_mask,
-                                   old[0] * local_buffer(cfg, 0, 2).completion_mask, atol=1e-5, rtol=1e-5)
+        # Old log-probs: each trained sample's stored exactly once, equal to the pre-update policy's.
+        trained = torch.cat([local_buffer(cfg, r, 2, zero_std_groups=zero_std_groups).active for r in range(2)])
+        assert got[name]["stores"][trained].tolist() == [1] * int(trained.sum())
+        mask = local_buffer(cfg, 0, 2, zero_std_groups=zero_std_groups).completion_mask  # trained tokens
+        torch.testing.assert_close(got[name]["old_logps"].nan_to_num(0) * mask, old[0] * mask, atol=1e-5, rtol=1e-5)
         # optimizer_steps_per_pass = 2: the second step's half of the rollout needs a forward (gas micro-batches).
         assert got[name]["old_logp_forwards"] == cfg.gradient_accumulation_steps
 
 
 @pytest.mark.slow
 def test_same_update_on_1x4_and_2x2_micro_batch_splits(tmp_path):
-    """The rollout of 8 completions: 1 rank x 4 micro-batches vs 2 ranks x 2 micro-batches, per loss type, and
-    with advantages computed from rewards as train.py does, per reward scaling (`batch`: the std of the whole
-    batch, over all ranks)."""
-    one = [{"name": lt, "loss_type": lt, "num_iterations": 2, "gradient_accumulation_steps": 4} for lt in LOSS_TYPES]
-    two = [{"name": lt, "loss_type": lt, "num_iterations": 2, "gradient_accumulation_steps": 2} for lt in LOSS_TYPES]
-    one += [{"name": f"scale_{s}", "scale_rewards": s, "from_rewards": True, "gradient_accumulation_steps": 4}
-            for s in SCALES]
-    two += [{"name": f"scale_{s}", "scale_rewards": s, "from_rewards": True, "gradient_accumulation_steps": 2}
-            for s in SCALES]
+    """The rollout of 8 completions: 1 rank x 4 micro-batches vs 2 ranks x 2 micro-batches, per loss type; with
+    advantages computed from rewards as train.py does, per reward scaling (`batch`: the std of the whole batch,
+    over all ranks); and with zero_std_filter leaving group 0 out, which on 2 ranks is all of rank 0's samples
+    (it trains fillers only)."""
+    filtered = {"dapo_filter": {"loss_type": "dapo", "zero_std_filter": True, "zero_std_groups": [0]}}
+    variants = {lt: {"loss_type": lt} for lt in LOSS_TYPES} | filtered
+    variants = {n: {**v, "num_iterations": 2} for n, v in variants.items()}
+    variants |= {f"scale_{s}": {"scale_rewards": s, "from_rewards": True} for s in SCALES}
+    one = [{"name": n, **v, "gradient_accumulation_steps": 4} for n, v in variants.items()]
+    two = [{"name": n, **v, "gradient_accumulation_steps": 2} for n, v in variants.items()]
     for c in one + two:
         c["per_device_train_batch_size"] = 2
     got1 = run_cases(tmp_path, 1, one, "one")
     got2 = run_cases(tmp_path, 2, two, "two")
-    for lt in LOSS_TYPES:
-        diff = max_diff(got1[lt]["state"], got2[lt]["state"])
-        assert diff < 1e-5, f"{lt}: 1x4 vs 2x2 split differ by {diff}"
+    for name in variants:
+        diff = max_diff(got1[name]["state"], got2[name]["state"])
+        assert diff < 1e-5, f"{name}: 1x4 vs 2x2 split differ by {diff}"
         # spg = 1: old log-probs are captured from the first pass's forward, never a separate forward.
-        assert got1[lt]["old_logp_forwards"] == 0 and got2[lt]["old_logp_forwards"] == 0
-        assert got2[lt]["stores"].tolist() == [1] * 8
+        assert got1[name]["old_logp_forwards"] == 0 and got2[name]["old_logp_forwards"] == 0
+        if not variants[name].get("from_rewards"):  # mu = 2: each trained sample's old log-probs stored once
+            assert got2[name]["stores"][4 * (name in filtered):].tolist() == [1] * (8 - 4 * (name in filtered))
+    assert max_diff(got1["dapo"]["state"], got1["dapo_filter"]["state"]) > 1e-4  # leaving the group out changed it
     rewards = fixed_rewards(8)
     for s in SCALES:
         name = f"scale_{s}"
@@ -145,8 +218,6 @@ def test_same_update_on_1x4_and_2x2_micro_batch_splits(tmp_path):
         if s == "batch":
             g0 = rewards[:4]
             torch.testing.assert_close(got2[name]["advantages"], (g0 - g0.mean()) / (rewards.std() + 1e-4))
-        diff = max_diff(got1[name]["state"], got2[name]["state"])
-        assert diff < 1e-5, f"scale_rewards {s}: 1 vs 2 ranks differ by {diff}"
 
 
 @pytest.mark.slow

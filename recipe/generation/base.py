@@ -1,6 +1,8 @@
 """The generation backends' one interface; the training loop never asks which backend it has.
 
-    generate(prompt_ids, seed) -> Completions   # num_generations samples per prompt, group-contiguous
+    generate(prompt_ids, seed, n=None, greedy=False) -> Completions
+                                                # n (default num_generations) samples per prompt, group-contiguous;
+                                                # greedy: one argmax decoding per prompt (evaluation)
     sync(engine)                                # make the backend see the engine's current weights
     close()
 """
@@ -24,7 +26,8 @@ class Completions:
 class Generator(Protocol):
     syncs: int  # weight syncs done so far
 
-    def generate(self, prompt_ids: list[list[int]], seed: int) -> Completions: ...
+    def generate(self, prompt_ids: list[list[int]], seed: int, n: int | None = None,
+                 greedy: bool = False) -> Completions: ...
 
     def sync(self, engine) -> None: ...
 

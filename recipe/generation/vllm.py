@@ -166,19 +166,22 @@ class VLLMGenerator:
             self._reload(engine, merge=self.adapter.vocab.__contains__ if self.adapter else None)
 
     # --- generation -----------------------------------------------------------------------
-    def _sampling_params(self, seed: int):
+    def _sampling_params(self, seed: int, n: int, greedy: bool):
         from vllm import SamplingParams
 
         cfg = self.cfg
         # stop: vLLM ends a sample at a stop string; `finish` then cuts it with the hf backend's own test
-        return SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p,
+        common = dict(max_tokens=cfg.max_completion_length, stop=list(cfg.stop) or None,
+                      stop_token_ids=[self.tok.eos_token_id], logprobs=0)
+        if greedy:  # temperature 0 is vLLM's argmax decoding (evaluation)
+            return SamplingParams(n=1, temperature=0.0, **common)
+        return SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k if cfg.top_k > 0 else -1, min_p=cfg.min_p or 0.0,
-                              repetition_penalty=cfg.repetition_penalty, max_tokens=cfg.max_completion_length,
-                              stop=list(cfg.stop) or None, stop_token_ids=[self.tok.eos_token_id], logprobs=0,
-                              seed=seed)
+                              repetition_penalty=cfg.repetition_penalty, seed=seed, **common)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], seed: int) -> Completions:
+    def generate(self, prompt_ids: list[list[int]], seed: int, n: int | None = None,
+                 greedy: bool = False) -> Completions:
         if self.engine.global_steps != self.synced_step:  # e.g. a resumed engine: never sample stale weights
             self.sync(self.engine)
         if self.asleep:
@@ -195,8 +198,8 @@ class VLLMGenerator:
         # seeds would give shifted copies of the same samples.
         seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),), generator=torch.Generator().manual_seed(seed))
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                                 [self._sampling_params(int(s)) for s in seeds], use_tqdm=False,
-                                 lora_request=self.adapter.request if self.adapter else None)
+                                 [self._sampling_params(int(s), n or self.cfg.num_generations, greedy) for s in seeds],
+                                 use_tqdm=False, lora_request=self.adapter.request if self.adapter else None)
         if self.group is not None:
             outs = outs[offset:offset + mine]
         raw, raw_logps = [], []
@@ -223,7 +226,10 @@ class VLLMGenerator:
         return counter[0]
 
     def sync(self, engine) -> None:
-        """Load the engine's current policy into vLLM (collective: every rank calls it together)."""
+        """Load the engine's current policy into vLLM (collective: every rank calls it together). A no-op when
+        vLLM already has it (an evaluation at the end of a rollout synced it), the same on every rank."""
+        if self.synced_step == engine.global_steps and self.syncs > 0:
+            return
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
