@@ -91,11 +91,10 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
         signal.signal(sig, forward)
     codes = []
     while procs:
-        pid, status = os.wait()
+        pid, code = _next_exit(procs)
         if pid not in procs:
             continue
         rank, _ = procs.pop(pid)
-        code = os.waitstatus_to_exitcode(status)
         code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as a shell reports it
         codes.append(code)
         if code not in (0, REQUEUE) and procs:
@@ -106,6 +105,20 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
                 p.kill()
     del store
     return exit_code(codes)
+
+
+def _next_exit(procs: dict) -> tuple[int, int]:
+    """(pid, exit status) of the next rank to end. Popen reaps a child itself when it polls (send_signal polls
+    first), after which os.wait no longer sees it: such a rank's status is its Popen's returncode."""
+    while True:
+        for pid, (_, p) in procs.items():
+            if p.returncode is not None:
+                return pid, p.returncode
+        try:
+            pid, status = os.wait()
+            return pid, os.waitstatus_to_exitcode(status)
+        except ChildProcessError:  # reaped by Popen meanwhile: its returncode is set now
+            continue
 
 
 def gpus_here() -> int:

@@ -1,6 +1,7 @@
 """Model loading, DeepSpeed initialization from ds_configs/, the reference policy, HF-format saving."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -51,8 +52,16 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     else:
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)  # wraps the group
+    # a group left to interpreter teardown can abort the process ("terminate called without an active
+    # exception") after its work is done; atexit runs this after liveness stops its heartbeat (registered later)
+    atexit.register(_destroy_process_group)
     liveness.start(rank, world, timeout_s)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def all_reduce_named(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -58,7 +58,7 @@ def test_fixed_targets_decide_per_pass_on_token_weighted_means():
 
 def test_auto_replays_while_the_next_pass_drift_is_below_the_target_set_by_g():
     # g = 0.8: a fresh rollout costs 5 replays, so a replay may drift up to kappa * 0.8 / 0.2 = 4 kappa
-    ctl = ReuseController(Config(reuse_generation_share=0.8, reuse_kl_scale=1e-3))
+    ctl = ReuseController(Config(num_iterations="auto", reuse_generation_share=0.8, reuse_kl_scale=1e-3))
     assert ctl.enabled and ctl.target_kl == pytest.approx(4e-3)
     assert not ctl.step_done(step(0, kl=0.0, it=0), last_in_pass=True)  # on-policy: the first replay is free
     # KL grows like the updates squared: after pass 1 the next pass runs at about 4x, after pass 2 at 2.25x
@@ -68,12 +68,14 @@ def test_auto_replays_while_the_next_pass_drift_is_below_the_target_set_by_g():
     assert ctl.step_done(step(0, kl=1.8e-3, it=2), last_in_pass=True)  # next ~4.05e-3
     # two steps per pass: pass 0 saw 0 and 1 updates (KL ~ 0 + 1), pass 1 will see 2 and 3 (4 + 9)
     assert next_pass_kl(1e-4, 0, 2) == pytest.approx(13e-4) and next_pass_kl(0.0, 0, 1) == 0.0
-    assert ReuseController(Config(reuse_generation_share=0.2, reuse_kl_scale=1e-3)).target_kl == pytest.approx(2.5e-4)
-    assert ReuseController(Config()).target_kl == Config().reuse_kl_scale  # before g is known: g = 1/2
+    low = Config(num_iterations="auto", reuse_generation_share=0.2, reuse_kl_scale=1e-3)
+    assert ReuseController(low).target_kl == pytest.approx(2.5e-4)
+    unknown = ReuseController(Config(num_iterations="auto"))
+    assert unknown.target_kl == Config().reuse_kl_scale  # before g is known: g = 1/2
 
 
 def test_auto_prices_each_rollout_with_the_cost_ratio_measured_after_the_warmup(world_of_one):
-    ctl = ReuseController(Config(reuse_measure_rollouts=2, reuse_kl_scale=1e-3))
+    ctl = ReuseController(Config(num_iterations="auto", reuse_measure_rollouts=2, reuse_kl_scale=1e-3))
     for r, gen, train_per_pass, passes in [(0, 50.0, 9.0, 1), (1, 3.0, 1.0, 3), (2, 5.0, 1.0, 1)]:
         for p in range(passes):
             ctl.step_done(step(r, gen=gen if p == 0 else 0.0, train=train_per_pass, it=p), last_in_pass=True)
@@ -85,7 +87,7 @@ def test_auto_prices_each_rollout_with_the_cost_ratio_measured_after_the_warmup(
     # a rollout with half the decoding steps costs half the generation: g = 2/3, a replay may drift half as far
     ctl.step_done(step(4, decode=50.0, gen=1.0, train=100.0), last_in_pass=True)
     assert ctl.cost_ratio == pytest.approx(40.0) and ctl.target_kl == pytest.approx(2e-3)  # frozen: timings ignored
-    again = ReuseController(Config(reuse_measure_rollouts=2))
+    again = ReuseController(Config(num_iterations="auto", reuse_measure_rollouts=2))
     again.load_state_dict(ctl.state_dict())
     assert again.cost_ratio == ctl.cost_ratio and again.odds == ctl.odds
 
