@@ -123,14 +123,21 @@ def startup(model_dir: str, out: str, variant: str, what: str) -> None:
     write_per_rank(out, rank, res)
 
 
-def todays_forward_logps(model, input_ids, attention_mask, completion_len: int, temperature: float):
-    """Today's forward_logps: logits for every position, the completion slice upcast to fp32."""
+def todays_forward_logps(model, input_ids, attention_mask, completion_len: int, temperature: float,
+                         with_entropy: bool = False):
+    """Today's forward_logps: logits for every position, the completion slice upcast to fp32 (and, as the
+    recipe's, each position's entropy when the loop asks for it)."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits
     logits = logits[:, -completion_len - 1:-1].float() / temperature
     ids = input_ids[:, -completion_len:]
-    return torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logps = torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logps
+    with torch.no_grad():
+        return logps, lse - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
 def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, bf16: bool, batch: int = 2,

@@ -33,7 +33,8 @@ def test_rollout_statistics_against_direct_computation():
     total = length + 0.5 * accuracy.nan_to_num()
     mask = (torch.arange(6) < torch.randint(1, 7, (12, 1), generator=g)).float()
     comp = Completions([[1]] * 12, mask, mask.sum(-1) == 6, ["x"] * 12)
-    stats = rollout_stats(total, {"length": length, "accuracy": accuracy}, comp, 3, False, zero_std_groups(total, 4))
+    stats = rollout_stats(total, {"length": length, "accuracy": accuracy}, comp, 3, 7, False, zero_std_groups(total, 4))
+    assert stats["rollout_tokens"] == 7 + mask.sum() and stats["decode_steps"] == mask.sum(-1).max()
     assert stats["frac_reward_zero_std"] == pytest.approx(1 / 3)  # group 0 of 3: all its rewards equal
     assert stats["reward_mean"] == pytest.approx(total.mean().item())
     assert stats["reward_std"] == pytest.approx(total.std().item())  # sample std, as torch.std
@@ -145,7 +146,7 @@ EVAL_ON = ["--eval_steps", "2", "--eval_on_start", "true", "--eval_num_generatio
            "--per_device_eval_batch_size", "2", "--log_completions_steps", "3", "--num_prompts_to_log", "1",
            "--report_to", "[tensorboard, wandb]", "--run_name", "e2e", "--logging_steps", "5",
            "--disable_tqdm", "false"]
-TRAINING_ONLY = {"tokens_per_s", "step_time_s"}  # timings differ run to run
+TRAINING_ONLY = {"tokens_per_s", "step_time_s", "step_cpu_s"}  # timings differ run to run
 
 
 def training_part(record):
