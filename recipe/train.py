@@ -295,6 +295,12 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
     return records, False
 
 
+def say_error(line: str) -> None:
+    """One write per line: ranks share stderr, and print's two writes (text, newline) interleave between them."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
@@ -304,23 +310,23 @@ def main(argv: list[str] | None = None) -> int:
             print(help_text())
         return 0
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        say_error(f"config error: {e}")
         return 2
     try:
         run, state = setup(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        say_error(f"config error: {e}")
         return 2
     except (DataError, CheckpointError, VLLMUnavailable, RewardError, outdir.OutputDirError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say_error(f"error: {e}")
         return 2
     try:
         records, preempted = train(run, state)
     except RewardError as e:  # a user's function misbehaved: say which, on every rank, without a traceback
-        print(f"reward error (rank {run.rank}): {e}", file=sys.stderr)
+        say_error(f"reward error (rank {run.rank}): {e}")
         return 1
     except (CheckpointError, NonFiniteError) as e:  # every rank agreed on it; the earlier checkpoints are intact
-        print(f"error (rank {run.rank}): {e}", file=sys.stderr)
+        say_error(f"error (rank {run.rank}): {e}")
         return 1
     final = Path(cfg.output_dir) / "final"
     if not preempted:
