@@ -82,7 +82,7 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
     import torch.distributed as dist
 
     from recipe import train
-    from recipe.config import load_config
+    from recipe.config_load import load_config
     from recipe.preflight import preflight
 
     extra = MODELS[model][0] + (["--model_name_or_path", str(qwen05b_folder())] if model == "qwen05b" else [])

@@ -48,7 +48,7 @@ def main() -> None:
     from common import machine
     from recipe import train
     from recipe.buffer import RolloutBuffer
-    from recipe.config import load_config
+    from recipe.config_load import load_config
     from recipe.generation.hf import HFGenerator
     from recipe.loss import group_advantages
     from recipe.preflight import preflight

@@ -87,7 +87,7 @@ def trl_version(python: str) -> str:
 
 
 def recipe_config(args, world_size: int = 2):
-    from recipe.config import load_config
+    from recipe.config_load import load_config
     from recipe.preflight import preflight
 
     argv = ["--config", args.config]

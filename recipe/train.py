@@ -23,7 +23,8 @@ from recipe import engine as eng
 from recipe import liveness, outdir
 from recipe.buffer import RolloutBuffer
 from recipe.checkpoint import CheckpointError, Checkpointer
-from recipe.config import Config, ConfigError, HelpRequested, load_config
+from recipe.config import Config, ConfigError
+from recipe.config_load import HelpRequested, load_config
 from recipe.config_help import help_text
 from recipe.data import DataError, PromptStream, check_prompts, load_datasets, uses_chat_template
 from recipe.evaluation import Evaluator

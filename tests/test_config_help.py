@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from recipe.config import Config, HelpRequested, parse_cli
+from recipe.config import Config
+from recipe.config_load import HelpRequested, parse_cli
 from recipe.config_help import help_text
 from recipe.launch import rank_env
 

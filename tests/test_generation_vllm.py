@@ -8,7 +8,8 @@ import pytest
 
 from conftest import needs_vllm, torchrun
 from recipe.metrics import read_jsonl, reward_quarters
-from recipe.config import ConfigError, load_config
+from recipe.config import ConfigError
+from recipe.config_load import load_config
 from recipe.preflight import preflight
 from recipe.generation.vllm import CPU_HEAD_SIZES, VLLMUnavailable, check_cpu_head_size
 

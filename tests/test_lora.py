@@ -6,7 +6,8 @@ from conftest import REPO, torchrun
 from recipe.metrics import read_jsonl, reward_quarters
 from dist_lora import CASE, PROBE, PROMPTS
 from dist_update import BASE, local_buffer
-from recipe.config import Config, ConfigError, load_config
+from recipe.config import Config, ConfigError
+from recipe.config_load import load_config
 from recipe.data import left_pad
 from test_update import max_diff, ref_logps, reference_update
 

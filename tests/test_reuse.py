@@ -101,7 +101,8 @@ def test_auto_prices_each_rollout_with_the_cost_ratio_measured_after_the_warmup(
     (["--reuse_measure_rollouts", "0"], "reuse_measure_rollouts: must be >= 1"),
 ])
 def test_bad_reuse_fields_are_named(args, message):
-    from recipe.config import ConfigError, load_config
+    from recipe.config import ConfigError
+    from recipe.config_load import load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(["--num_iterations", "auto", *args])

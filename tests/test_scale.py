@@ -5,7 +5,8 @@ import torch
 from conftest import REPO, torchrun
 from dist_update import BASE, local_buffer
 from recipe import engine as eng
-from recipe.config import Config, ConfigError, load_config
+from recipe.config import Config, ConfigError
+from recipe.config_load import load_config
 from recipe.preflight import check_bf16, preflight
 from recipe.update import forward_logps
 from test_update import ref_logps

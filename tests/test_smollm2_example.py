@@ -19,7 +19,7 @@ CONFIG = "recipe/configs/smollm2_arith.yaml"
 
 @pytest.mark.parametrize("name", ["smollm2_arith.yaml", "smollm2_arith_lora.yaml"])
 def test_example_configs_validate(name, tmp_path, tiny_model_dir):
-    from recipe.config import load_config
+    from recipe.config_load import load_config
     from recipe.preflight import preflight
 
     data = tmp_path / "train.jsonl"

@@ -157,7 +157,7 @@ def greedy_eval_reward_of_the_initial_model(tiny_model_dir):
     """Independently: each held-out prompt decoded greedily, alone, by the plain model; the length reward's mean."""
     from transformers import AutoModelForCausalLM
 
-    from recipe.config import load_config
+    from recipe.config_load import load_config
     from recipe.data import PromptStream, load_datasets
     from recipe.engine import load_tokenizer
 

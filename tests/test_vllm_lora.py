@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import torchrun
-from recipe.config import Config, ConfigError, load_config
+from recipe.config import Config, ConfigError
+from recipe.config_load import load_config
 from recipe.metrics import read_jsonl, reward_quarters
 from recipe.preflight import preflight
 from test_checkpoint import comparable, signal_tree, start, wait_for_step

@@ -1,0 +1,119 @@
+"""Config loading: YAML + CLI overrides, bare flags, names from TRL, YAML errors with their place, exit code 2
+with one line before any work, and every shipped config loads."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from recipe.config import Config, ConfigError
+from recipe.config_load import load_config, parse_cli
+from recipe.launch import rank_env
+
+QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
+
+
+def test_yaml_and_cli_overrides():
+    cfg = load_config(["--config", QUICKSTART, "--num_iterations", "2", "--epsilon_high=0.3", "--local_rank=0",
+                       "--reward_funcs", "[length, accuracy]"])
+    assert cfg.num_iterations == 2 and cfg.epsilon_high == 0.3 and cfg.eps_high == 0.3
+    assert cfg.reward_funcs == ["length", "accuracy"]
+    assert cfg.num_generations == 8  # from the YAML
+    assert load_config([]).loss_type == Config().loss_type
+
+
+def test_bare_flags_set_bools_true():
+    cfg = load_config(["--config", QUICKSTART, "--disable_tqdm", "--eval_on_start", "--eval_holdout_size", "2",
+                       "--seed", "3", "--mask_truncated_completions"])
+    assert cfg.disable_tqdm is True and cfg.eval_on_start is True and cfg.mask_truncated_completions is True
+    assert cfg.seed == 3
+    assert load_config(["--disable_tqdm", "false"]).disable_tqdm is False  # an explicit value still works
+    _, overrides = parse_cli(["--gradient_checkpointing", "--bf16"])
+    assert overrides == {"gradient_checkpointing": True, "bf16": True}
+    # a text field takes the text as given (YAML would read "Answer: N" as a mapping)
+    _, overrides = parse_cli(["--system_prompt", "End with: Answer: N", "--dataset_config", "null", "--seed", "7"])
+    assert overrides == {"system_prompt": "End with: Answer: N", "dataset_config": None, "seed": 7}
+
+
+def test_a_trl_style_config_fails_with_what_to_use(tmp_path):
+    """Names TRL has with another meaning are not fields here: a TRL config says what to write instead."""
+    trl = tmp_path / "trl.yaml"
+    trl.write_text("per_device_train_batch_size: 8\ngradient_accumulation_steps: 2\nsteps_per_generation: 4\n"
+                   "num_generations: 8\nloss_type: dapo\n")
+    with pytest.raises(ConfigError, match=r"^steps_per_generation: TRL counts micro-batches per generation, this "
+                                          r"recipe counts optimizer steps .*: use optimizer_steps_per_pass = "
+                                          r"steps_per_generation / gradient_accumulation_steps = 4 / 2 = 2$"):
+        load_config(["--config", str(trl)])
+    trl.write_text(trl.read_text().replace("steps_per_generation: 4", "optimizer_steps_per_pass: 2"))
+    cfg = load_config(["--config", str(trl)])
+    assert cfg.completions_per_rollout == 8 * 2 * 2  # what TRL's generation batch per rank was
+    with pytest.raises(ConfigError, match=r"^loss_type: bnpo: TRL's bnpo divides each micro-batch by its own token "
+                                          r"count.*use step_token_mean"):
+        load_config(["--config", str(trl), "--loss_type", "bnpo"])
+    with pytest.raises(ConfigError, match=r"^vllm_importance_sampling_cap: TRL's field has no equal here; use "
+                                          r"vllm_tis_cap: C"):
+        load_config(["--config", str(trl), "--vllm_importance_sampling_cap", "3.0"])
+
+
+def test_missing_config_file_and_bad_cli():
+    with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
+        load_config(["--config", "nope.yaml"])
+    with pytest.raises(ConfigError, match="missing value"):
+        parse_cli(["--seed"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_cli(["seed", "3"])
+
+
+def test_cli_exits_2_with_one_line_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, "--num_iterations", "0",
+                           "--output_dir", str(out)], cwd=REPO, env=rank_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["config error: num_iterations: mu must be >= 1, got 0"]
+    assert not out.exists()  # nothing was started or written
+
+
+def test_readme_shows_the_example_config_as_shipped():
+    import yaml
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("CI runs it end to end:\n\n```yaml\n", 1)[1].split("```", 1)[0]
+    shipped = REPO / "recipe/configs/gsm8k_local.yaml"
+    assert yaml.safe_load(block) == yaml.safe_load(shipped.read_text())
+    assert load_config(["--config", str(shipped)]).prompt_column == "question"
+
+
+def test_seed_range_empty_config_and_yaml_errors_with_their_place(tmp_path):
+    for seed in (-1, 2**31):
+        with pytest.raises(ConfigError, match=rf"seed: must be in \[0, 2147483647\], got {seed}"):
+            load_config(["--seed", str(seed)])
+    assert load_config(["--seed", "0"]).seed == 0
+    with pytest.raises(ConfigError, match="skip_nonfinite_steps: must be >= 0"):
+        load_config(["--skip_nonfinite_steps", "-1"])
+    for text in ("", "# only a comment\n"):
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(ConfigError, match="c.yaml is empty: it sets no field"):
+            load_config(["--config", str(tmp_path / "c.yaml")])
+    (tmp_path / "c.yaml").write_text("{}\n")  # an explicit empty mapping says "the defaults" on purpose
+    assert load_config(["--config", str(tmp_path / "c.yaml")]) == Config()
+    (tmp_path / "c.yaml").write_text("seed: 1\nreward_funcs: [length\nbeta: 0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", str(tmp_path / "c.yaml")])
+    assert "is not valid YAML: line 3, column 5: " in str(e.value) and "\n" not in str(e.value)
+
+
+def test_report_to_takes_a_list_or_one_name_and_the_old_tensorboard_flag_says_what_to_write():
+    assert load_config([]).report_to == ["none"]
+    assert load_config(["--report_to", "wandb"]).report_to == ["wandb"]
+    assert load_config(["--report_to", "[tensorboard, wandb]"]).report_to == ["tensorboard", "wandb"]
+    with pytest.raises(ConfigError, match=r"report_to_tensorboard: replaced by report_to: write report_to: "
+                                          r"\[tensorboard\]"):
+        load_config(["--report_to_tensorboard", "true"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipe/configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(["--config", str(path)], world_size=2)
+    assert cfg.max_steps >= 1
