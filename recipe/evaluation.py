@@ -16,6 +16,7 @@ import torch
 
 from recipe.checkpoint import rng_state, set_rng_state
 from recipe.engine import all_reduce_named, device
+from recipe.generation import generate_on_every_rank
 from recipe.rewards import RewardError, score
 
 EVAL_SEED = 1_000_003  # the eval samplers' seed stream, far from the rollouts' (seed + (rollout x world + rank) x 1000)
@@ -59,7 +60,8 @@ class Evaluator:
         for start in range(0, self.per_rank, size):
             batch = self.stream.rows(self.indices[start:start + size])
             seed = (cfg.seed + EVAL_SEED * (step + 1) + self.rank * 1000 + start) % 2**31
-            comp = self.generator.generate(batch.prompt_ids, seed=seed, n=n, greedy=greedy)
+            comp = generate_on_every_rank(self.generator, batch.prompt_ids, f"evaluation generation at step {step}",
+                                          seed=seed, n=n, greedy=greedy)
             rows = batch.repeat(n)
             try:
                 total, per_func = score(self.funcs, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids)

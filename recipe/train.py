@@ -28,7 +28,7 @@ from recipe.config_load import HelpRequested, load_config
 from recipe.config_help import help_text
 from recipe.data import DataError, PromptStream, check_prompts, load_datasets, uses_chat_template
 from recipe.evaluation import Evaluator
-from recipe.generation import Generator, build_generator
+from recipe.generation import GenerationError, Generator, build_generator, generate_on_every_rank
 from recipe.generation.vllm import VLLMUnavailable
 from recipe.launch import PREEMPTED_EXIT_CODE
 from recipe.loss import group_advantages, zero_std_groups
@@ -173,21 +173,16 @@ def summarize_rollout(sums: dict[str, float], names: list[str]) -> dict:
 
 
 def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
-    """This rank's completions. A failure on any rank stops every rank with one message (none is left waiting
-    in a collective); sampling from NaN probabilities means the last update broke the weights."""
+    """This rank's completions (a failure on any rank stops every rank); sampling from NaN probabilities means
+    the last update broke the weights."""
     seed = (run.cfg.seed + (rollout * run.world + run.rank) * 1000) % 2**31
     try:
-        comp, error = run.generator.generate(prompt_ids, seed=seed), None
-    except RuntimeError as e:
-        comp, error = None, " ".join(str(e).split())
-    failure = eng.first_error(error)
-    if failure is not None:
-        where = f"generation of rollout {rollout} failed (rank {failure[0]}): {failure[1]}"
-        if re.search(r"\b(nan|inf)\b", failure[1], re.IGNORECASE):
-            raise NonFiniteError(f"{where}: the policy is no longer finite after the last update; resume from an "
-                                 "earlier checkpoint with a lower learning_rate")
-        raise RuntimeError(where)
-    return comp
+        return generate_on_every_rank(run.generator, prompt_ids, f"generation of rollout {rollout}", seed=seed)
+    except GenerationError as e:
+        if re.search(r"\b(nan|inf)\b", str(e), re.IGNORECASE):
+            raise NonFiniteError(f"{e}: the policy is no longer finite after the last update; resume from an "
+                                 "earlier checkpoint with a lower learning_rate") from None
+        raise
 
 
 def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict, list | None]:
@@ -326,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     except RewardError as e:  # a user's function misbehaved: say which, on every rank, without a traceback
         say_error(f"reward error (rank {run.rank}): {e}")
         return 1
-    except (CheckpointError, NonFiniteError) as e:  # every rank agreed on it; the earlier checkpoints are intact
+    except (CheckpointError, NonFiniteError, GenerationError) as e:  # all ranks agreed; earlier checkpoints are intact
         say_error(f"error (rank {run.rank}): {e}")
         return 1
     final = Path(cfg.output_dir) / "final"

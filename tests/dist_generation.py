@@ -1,7 +1,8 @@
 """Worker (torchrun): HF generation on a ZeRO-3 engine vs the same weights in a plain model.
 
 Writes OUT.json on rank 0: whether tokens matched on every rank, all-gather counts for two
-generation lengths, and whether training still works afterwards.
+generation lengths, whether training still works afterwards, and what each rank raised when generation
+failed on rank 1 alone.
 """
 import json
 import sys
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from recipe import engine as eng
 from recipe.config import Config
 from recipe.data import left_pad
-from recipe.generation import build_generator
+from recipe.generation import GenerationError, build_generator, generate_on_every_rank
 from recipe.update import forward_logps
 
 GATHERS = [0]
@@ -62,12 +63,22 @@ def main():
     engine.backward(lp.sum())
     engine.step()
     partitioned = all(p.ds_status.name == "NOT_AVAILABLE" for p in engine.module.parameters() if not p.ds_persist)
+    # A failure on rank 1 alone (a token id the model does not have) stops both ranks at once, naming rank 1.
+    bad = [[engine.module.config.vocab_size + 5]] if rank == 1 else prompts
+    try:
+        generate_on_every_rank(gen, bad, "test generation", seed=1)
+        raised = None
+    except GenerationError as e:
+        raised = str(e)
+    raised_all = [None] * world
+    dist.all_gather_object(raised_all, raised)
     flags = torch.tensor([float(match), float(partitioned)])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if rank == 0:
         json.dump({"match": bool(flags[0]), "partitioned": bool(flags[1]), "gathers_12": gathers_12,
                    "gathers_24": gathers_24, "texts": got.texts, "mask_sum": got.mask.sum(-1).tolist(),
-                   "ids": got.ids, "truncated": got.truncated.tolist(), "eos": eos}, open(out, "w"))
+                   "ids": got.ids, "truncated": got.truncated.tolist(), "eos": eos,
+                   "raised": raised_all}, open(out, "w"))
     dist.barrier()
 
 

@@ -47,6 +47,9 @@ def test_zero3_generation_matches_plain_model_and_gathers_once(tmp_path):
         f"all-gathers grew with decoding steps ({r['gathers_12']} vs {r['gathers_24']}): not gathered once"
     for ids, m, t in zip(r["ids"], r["mask_sum"], r["truncated"]):
         assert len(ids) == m and (t == (r["eos"] not in ids))
+    # generation failed on rank 1 only: both ranks raised its message (none was left waiting in a collective)
+    assert r["raised"][0] == r["raised"][1] and r["raised"][0].startswith("test generation failed (rank 1): "
+                                                                          "IndexError: index out of range"), r["raised"]
 
 
 @pytest.mark.slow

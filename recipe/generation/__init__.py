@@ -3,9 +3,9 @@
 """
 from __future__ import annotations
 
-from recipe.generation.base import Completions, Generator, finish
+from recipe.generation.base import Completions, GenerationError, Generator, finish, generate_on_every_rank
 
-__all__ = ["Completions", "Generator", "build_generator", "finish"]
+__all__ = ["Completions", "GenerationError", "Generator", "build_generator", "finish", "generate_on_every_rank"]
 
 
 def build_generator(cfg, engine, tokenizer) -> Generator:

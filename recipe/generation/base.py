@@ -8,10 +8,13 @@
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from recipe.engine import first_error
 
 
 @dataclass
@@ -32,6 +35,25 @@ class Generator(Protocol):
     def sync(self, engine) -> None: ...
 
     def close(self) -> None: ...
+
+
+class GenerationError(RuntimeError):
+    """Generation failed on some rank; every rank raises it with that rank's message."""
+
+
+def generate_on_every_rank(generator: Generator, prompt_ids: list[list[int]], where: str, **kw) -> Completions:
+    """`generator.generate`, where a failure on any rank stops every rank with one message: a rank that just
+    left would leave the others waiting in their next collective (up to collective_timeout_s) and lose the
+    reason. The failing rank prints its traceback first; the message names the rank."""
+    try:
+        comp, error = generator.generate(prompt_ids, **kw), None
+    except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+        traceback.print_exc()
+        comp, error = None, f"{type(e).__name__}: {' '.join(str(e).split())}"
+    failure = first_error(error)
+    if failure is not None:
+        raise GenerationError(f"{where} failed (rank {failure[0]}): {failure[1]}")
+    return comp
 
 
 class StopStrings:
