@@ -18,7 +18,7 @@ from test_generation_vllm import needs_vllm
 
 MODES = ["merged", "adapter"]
 QUICKSTART_LORA_VLLM = ["-m", "recipe.train", "--config", "recipe/configs/quickstart_lora.yaml",
-                        "--generation_backend", "vllm", "--vllm_tis_cap", "2.0", "--max_steps", "16",
+                        "--generation_backend", "vllm", "--vllm_tis_cap", "2.0", "--max_steps", "32",
                         "--save_total_limit", "0", "--disable_tqdm", "true"]
 
 
@@ -64,7 +64,9 @@ def test_quickstart_lora_with_vllm_learns_and_resumes_bit_identically_after_sigk
     ref = tmp_path / "ref"
     torchrun(2, [*run, "--output_dir", str(ref), "--save_steps", "0"], timeout=1200)
     records = read_jsonl(ref / "metrics.jsonl")
-    assert len(records) == 16
+    # 8 rollouts: at this learning rate single rollouts swing by several points (one run: -22.9, -16.9, -13.4,
+    # -19.8, -16.0, -14.1, -11.3, -8.3), so the quarters must hold two rollouts each
+    assert len(records) == 32
     # mu = 4: one sync after each rollout that another follows, timed on the next rollout's first step
     assert [x["weight_syncs"] for x in records] == [x["generation"] for x in records]
     assert all((x["time_sync_s"] > 0) == (x["iteration"] == 0 and x["generation"] > 0) for x in records)
