@@ -99,11 +99,14 @@ def test_killed_builder_then_two_concurrent_first_runs_build_the_op_once(tmp_pat
     assert rc == 0, err[-3000:]
     assert err.count("removed a stale build lock") == 1 and not (op_dir / "lock").exists()
 
-    # Built and stamped: loading takes no lock, so even a held build lock does not delay a run.
+    # Built and stamped: loading takes no lock, neither ours (held here) nor torch's (a stale file left here),
+    # so neither delays a run, and the stale file is not even looked at.
     holder = hold(ext / f"{buildlock.COMM_OP}.build-lock", 600)
+    (op_dir / "lock").touch()
     try:
         proc = run_two_ranks(tmp_path / "out3", ext)
         rc, err = finish(proc)
     finally:
         holder.kill()
     assert rc == 0 and "waiting for" not in err, err[-3000:]
+    assert "removed a stale build lock" not in err and (op_dir / "lock").exists()

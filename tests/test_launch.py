@@ -111,6 +111,8 @@ def test_a_stopped_rank_ends_the_job_within_the_collective_timeout(tmp_path, sto
         elapsed = time.monotonic() - t0
     print(f"rank {stopped} stopped: the job ended {elapsed:.1f} s later (collective_timeout_s = {timeout_s})")
     assert proc.returncode == 1, err[-3000:]
+    # the bound: the timeout itself, plus reaching the next collective (a step) and stopping the ranks
+    assert elapsed < timeout_s + 60, f"the job ended {elapsed:.0f} s after the stop, timeout {timeout_s} s"
     assert f"error (rank {1 - stopped}): a collective failed or did not complete within collective_timeout_s = " \
            f"{timeout_s} s: rank {stopped} stopped answering" in err, err[-3000:]
     assert f"local.sh: rank {1 - stopped} exited with 1; stopping ranks [{stopped}]" in err

@@ -2,6 +2,7 @@
 
 Each "node" runs one CPU rank; the two ranks meet over gloo at the first node's address, as on a cluster.
 """
+import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,8 @@ SHORT = ["--disable_tqdm", "true", "--max_completion_length", "24"]
 @pytest.fixture(scope="module")
 def cluster():
     reason = missing_reason()
+    if reason and os.environ.get("GRPO_REQUIRE_SLURM"):  # tests/run.sh as root: the launcher must be tested
+        pytest.fail(f"GRPO_REQUIRE_SLURM is set but {reason}")
     if reason:
         pytest.skip(reason)
     with LocalSlurm(nodes=2) as c:
