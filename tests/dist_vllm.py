@@ -42,13 +42,14 @@ def plain_copy(engine, path, cfg):
     return model
 
 
-def grpo_round(gen, engine, tok, prompts, r):
-    """A real GRPO step on a fresh rollout of 2 samples per prompt (the advantages only need to move the weights)."""
+def grpo_round(gen, engine, tok, prompts, r, ref=None):
+    """A real GRPO step on a fresh rollout of 2 samples per prompt (the advantages only need to move the weights);
+    `ref`: the KL term's reference (gen.cfg.beta > 0)."""
     comp = gen.generate(prompts, seed=100 * r + dist.get_rank())
     advantages = torch.tensor([1.0, -1.0] * len(prompts))
     buf = RolloutBuffer.build([p for p in prompts for _ in range(2)], comp.ids, advantages, comp.mask,
                               tok.pad_token_id, order_seed=r, sampling_logps=comp.logps)
-    (step,) = train_on_rollout(engine, None, buf, gen.cfg)  # mu = 1, one step: the whole rollout
+    (step,) = train_on_rollout(engine, ref, buf, gen.cfg)  # mu = 1, one step: the whole rollout
     return step.stats
 
 
