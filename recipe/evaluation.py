@@ -22,18 +22,22 @@ from recipe.rewards import RewardError, score
 EVAL_SEED = 1_000_003  # the eval samplers' seed stream, far from the rollouts' (seed + (rollout x world + rank) x 1000)
 
 
+def shard(n: int, rank: int, world: int) -> tuple[list[int], torch.Tensor]:
+    """This rank's eval prompts (every world-th from `rank`) and their weights. Every rank makes the same number
+    of generation calls (ZeRO-3's gathers and vLLM's TP groups are collective): shards are padded to equal length
+    with weight-0 repeats of the shard's first prompt."""
+    mine = list(range(rank, n, world))
+    per_rank = math.ceil(n / world)
+    return mine + [(mine or [0])[0]] * (per_rank - len(mine)), (torch.arange(per_rank) < len(mine)).double()
+
+
 class Evaluator:
     def __init__(self, cfg, stream, generator, reward_funcs, rank: int, world: int):
         """`stream`: a PromptStream over the eval prompts (formats them exactly as training does)."""
         self.cfg, self.stream, self.generator, self.funcs = cfg, stream, generator, reward_funcs
         self.rank = rank
-        n = len(stream.ds)
-        # Every rank makes the same number of generation calls (ZeRO-3's gathers and vLLM's TP groups are
-        # collective): shards are padded to equal length with weight-0 repeats of the shard's first prompt.
-        mine = list(range(rank, n, world))
-        self.per_rank = math.ceil(n / world)
-        self.weights = (torch.arange(self.per_rank) < len(mine)).double()
-        self.indices = mine + [(mine or [0])[0]] * (self.per_rank - len(mine))
+        self.indices, self.weights = shard(len(stream.ds), rank, world)
+        self.per_rank = len(self.indices)
 
     def due(self, step: int) -> bool:
         return self.cfg.eval_steps > 0 and step > 0 and step % self.cfg.eval_steps == 0

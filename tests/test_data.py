@@ -64,13 +64,21 @@ def test_left_truncation_is_counted(tmp_path, tok):
     assert tok.decode(longest).endswith("END")  # the end of the prompt is kept
 
 
-@pytest.mark.parametrize("fmt", ["csv", "parquet", "json", "tsv", "jsonl.gz", "saved"])
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "json", "tsv", "jsonl.gz", "arrow", "txt", "saved"])
 def test_other_file_formats(tmp_path, tok, fmt):
     import datasets
+    import pyarrow as pa
 
     ds = datasets.Dataset.from_list([{"question": f"q{i}"} for i in range(4)])
     path = tmp_path / f"p.{fmt}"
-    if fmt == "tsv":
+    if fmt == "txt":  # one prompt per line, in datasets' column "text"
+        path.write_text("".join(f"q{i}\n" for i in range(4)))
+        ds = ds.rename_column("question", "text")
+    elif fmt == "arrow":  # an Arrow IPC stream, as datasets writes its own cache files
+        table = ds.data.table
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    elif fmt == "tsv":
         ds.to_csv(str(path), sep="\t", index=False)
     elif fmt == "jsonl.gz":
         path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in ds.to_list()).encode()))
@@ -78,9 +86,10 @@ def test_other_file_formats(tmp_path, tok, fmt):
         datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(path))
     else:
         getattr(ds, f"to_{fmt}")(str(path))
-    cfg = cfg_for(path, prompt_column="question")
-    assert load_prompt_dataset(cfg)["question"][:] == ["q0", "q1", "q2", "q3"]
-    assert load_prompt_dataset(cfg_for(path, prompt_column="question", dataset_split="train[1:3]"))["question"][:] \
+    column = ds.column_names[0]
+    cfg = cfg_for(path, prompt_column=column)
+    assert load_prompt_dataset(cfg)[column][:] == ["q0", "q1", "q2", "q3"]
+    assert load_prompt_dataset(cfg_for(path, prompt_column=column, dataset_split="train[1:3]"))[column][:] \
         == ["q1", "q2"]
 
 

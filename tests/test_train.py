@@ -94,6 +94,19 @@ def test_bad_reward_stops_every_rank_with_its_name(tmp_path):
     assert not (out / "final").exists()
 
 
+def test_zero_std_filter_leaves_out_groups_whose_rewards_are_all_equal(tmp_path):
+    """A constant reward: every group has zero std, so with zero_std_filter no sample is trained on."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, *SHORT, "--max_steps", "2",
+                           "--num_iterations", "1", "--zero_std_filter", "true", "--output_dir", str(out),
+                           "--reward_funcs", "[tests.reward_fixtures:numpy_ones]"], cwd=REPO, env=rank_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [(r["frac_reward_zero_std"], r["train_tokens"]) for r in records] == [(1.0, 0), (1.0, 0)]
+    assert all(r["completion_length_mean"] > 0 for r in records)  # there were tokens to train on
+
+
 def test_answer_reward_without_answer_column_stops_before_the_model_loads(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, "--reward_funcs",
@@ -211,6 +224,10 @@ def test_eval_samples_trackers_and_schedule_leave_training_unchanged(tmp_path, t
             "eval/sampled/reward", "eval/sampled/reward/length", "eval/sampled/completion_length", "eval/time_s"}
     assert [r["step"] for r in with_eval if keys <= set(r)] == [0, 2, 4, 6] and with_eval[0]["eval/prompts"] == 5
     assert not any(k.startswith("eval/") for k in with_eval[3])
+    for r in with_eval[:3]:  # sampled completions: the length reward's range, not the greedy ones
+        assert -40.0 <= r["eval/sampled/reward"] <= 0.0 and r["eval/sampled/reward"] == r["eval/sampled/reward/length"]
+    assert [r["eval/sampled/completion_length"] for r in with_eval[:3]] != \
+        [r["eval/greedy/completion_length"] for r in with_eval[:3]]
     assert with_eval[0]["eval/greedy/reward"] == pytest.approx(greedy_eval_reward_of_the_initial_model(tiny_model_dir))
 
     # completions.jsonl: rank 0's first prompt with its 4 completions at steps 3 and 6; rewards and advantages direct
