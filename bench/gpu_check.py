@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default: bench/results/gpu_check.json (GPU) or gpu_check_cpu.json")
     args = ap.parse_args()
     t_start = time.perf_counter()
-    from common import RESULTS
+    from common import RESULTS, machine
     from scale import QWEN05B, SMOKE, build_model
 
     from recipe import engine as eng
@@ -201,9 +201,8 @@ def main() -> None:
               "sizes": size, "train_fp32": fp32, "train_bf16": bf16, "bf16_vs_fp32": comparison, "generation": gen,
               "mfu_bf16": bf16["model_tflops_per_s"] / peak if peak else None,
               "peak_tflops_bf16_dense": peak,
-              "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "transformers": transformers.__version__,
-                           "peft": peft.__version__, "deepspeed": deepspeed.__version__},
+              "machine": machine(cuda=torch.version.cuda, transformers=transformers.__version__,
+                                 peft=peft.__version__, deepspeed=deepspeed.__version__),
               "wall_s": time.perf_counter() - t_start}
     out = Path(args.out) if args.out else RESULTS / ("gpu_check.json" if cuda else "gpu_check_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,7 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
 
     from recipe import train
     from recipe.config_load import load_config
+    from recipe.generation import rollout_seed
     from recipe.preflight import preflight
 
     extra = MODELS[model][0] + (["--model_name_or_path", str(qwen05b_folder())] if model == "qwen05b" else [])
@@ -102,7 +103,7 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
         batch = run.stream.batch(r)
         dist.barrier()
         t = time.perf_counter()
-        comp = run.generator.generate(batch.prompt_ids, seed=(cfg.seed + (r * run.world + run.rank) * 1000) % 2**31)
+        comp = run.generator.generate(batch.prompt_ids, seed=rollout_seed(cfg.seed, r, run.rank, run.world))
         dt_gen = time.perf_counter() - t
         if r > 0:
             sync_s.append(dt_sync)

@@ -69,6 +69,10 @@ def main(spec_path: str) -> int:
     if not torch.cuda.is_available():
         from accelerate import PartialState
 
+        from recipe.buildlock import load_comm_op
+
+        load_comm_op()  # DeepSpeed's CPU comm op as the recipe's runs load it: built once, no stale lock
+
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(backend="gloo")
         accel = {"accelerator_config": {"use_configured_state": True}}

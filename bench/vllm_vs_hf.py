@@ -49,6 +49,8 @@ def main() -> None:
     from recipe import train
     from recipe.buffer import RolloutBuffer
     from recipe.config_load import load_config
+    from recipe.engine import all_reduce_named
+    from recipe.generation import rollout_seed
     from recipe.generation.hf import HFGenerator
     from recipe.loss import group_advantages
     from recipe.preflight import preflight
@@ -65,7 +67,7 @@ def main() -> None:
     sync_s = []
     for r in range(args.rollouts + 1):  # rollout 0 warms both up and is not counted
         batch = run.stream.batch(r)
-        seed = (cfg.seed + (r * run.world + run.rank) * 1000) % 2**31
+        seed = rollout_seed(cfg.seed, r, run.rank, run.world)
         for name, gen in backends.items():
             dist.barrier()
             comp, dt = timed(lambda: gen.generate(batch.prompt_ids, seed=seed))
@@ -84,13 +86,15 @@ def main() -> None:
         if r > 0:
             sync_s.append(dt)
     # sum tokens over ranks; time is the slowest rank's (the ranks generate side by side)
-    vec = torch.tensor([[t["tokens"], t["sequences"]] for t in totals.values()], dtype=torch.float64)
+    counts = all_reduce_named({f"{name}/{k}": torch.tensor(t[k], dtype=torch.float64) for name, t in totals.items()
+                               for k in ("tokens", "sequences")})
     secs = torch.tensor([t["seconds"] for t in totals.values()] + [max(sync_s)], dtype=torch.float64)
-    dist.all_reduce(vec)
     dist.all_reduce(secs, op=dist.ReduceOp.MAX)
-    result = {name: {"tokens_per_s": vec[i, 0].item() / secs[i].item(), "tokens": int(vec[i, 0].item()),
-                     "seconds": secs[i].item(), "mean_completion_tokens": vec[i, 0].item() / vec[i, 1].item()}
-              for i, name in enumerate(totals)}
+    result = {}
+    for i, name in enumerate(totals):
+        tokens, sequences = counts[f"{name}/tokens"].item(), counts[f"{name}/sequences"].item()
+        result[name] = {"tokens_per_s": tokens / secs[i].item(), "tokens": int(tokens), "seconds": secs[i].item(),
+                        "mean_completion_tokens": tokens / sequences}
     report = {
         "what": "generation tokens/s (all ranks) of vLLM vs transformers generate; vLLM weight sync per rollout",
         "command": "torchrun --nproc_per_node {} bench/vllm_vs_hf.py {}".format(run.world, " ".join(sys.argv[1:])),

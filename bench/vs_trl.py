@@ -173,17 +173,13 @@ def ds_differences(ours: dict, trl: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------
 # running
 # ------------------------------------------------------------------------------------------
-def run_env(python: str) -> dict:
+def run_env() -> dict:
     import torch
 
     from recipe.launch import rank_env
 
-    env = rank_env(None if torch.cuda.is_available() else "cpu")
-    # DeepSpeed's CPU comm op is JIT-built into a cache shared by every environment; a per-interpreter folder keeps
-    # another environment's build from forcing a rebuild (about a minute) inside the benchmark.
-    tag = Path(python).resolve().parent.parent.name
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "grpo_recipe" / f"torch_extensions-{tag}"))
-    return env
+    # both sides load DeepSpeed's CPU comm op from the interpreter's own environment (recipe/buildlock.py)
+    return rank_env(None if torch.cuda.is_available() else "cpu")
 
 
 def launch(cmd: list[str], env: dict, log: Path, timeout: float) -> float:
@@ -253,7 +249,7 @@ def main(argv=None) -> int:
     ds_path = work / "ds_config_trl.json"
     ds_path.write_text(json.dumps(trl_ds_config(cfg, cuda), indent=1))
     ours_ds = eng.ds_config(cfg, world, AutoConfig.from_pretrained(model).hidden_size)
-    env, info, runs, cmds = run_env(args.python), machine(load_average_at_start=os.getloadavg()), [], {}
+    env, info, runs, cmds = run_env(), machine(load_average_at_start=os.getloadavg()), [], {}
     t_start = time.perf_counter()
     for rep in range(args.reps):
         for mu in args.mus:

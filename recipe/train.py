@@ -28,7 +28,7 @@ from recipe.config_load import HelpRequested, load_config
 from recipe.config_help import help_text
 from recipe.data import DataError, PromptStream, check_prompts, load_datasets, uses_chat_template
 from recipe.evaluation import Evaluator
-from recipe.generation import GenerationError, Generator, build_generator, generate_on_every_rank
+from recipe.generation import GenerationError, Generator, build_generator, generate_on_every_rank, rollout_seed
 from recipe.generation.vllm import VLLMUnavailable
 from recipe.launch import PREEMPTED_EXIT_CODE
 from recipe.loss import group_advantages, zero_std_groups
@@ -175,7 +175,7 @@ def summarize_rollout(sums: dict[str, float], names: list[str]) -> dict:
 def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
     """This rank's completions (a failure on any rank stops every rank); sampling from NaN probabilities means
     the last update broke the weights."""
-    seed = (run.cfg.seed + (rollout * run.world + run.rank) * 1000) % 2**31
+    seed = rollout_seed(run.cfg.seed, rollout, run.rank, run.world)
     try:
         return generate_on_every_rank(run.generator, prompt_ids, f"generation of rollout {rollout}", seed=seed)
     except GenerationError as e:

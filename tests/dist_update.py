@@ -8,13 +8,13 @@ gathered weights and counters.
 """
 import json
 import sys
-from types import SimpleNamespace
 
 import torch
 
 from recipe import engine as eng
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
+from recipe.generation import Completions
 from recipe.loss import group_advantages, zero_std_groups as all_equal_groups
 from recipe.train import rollout_stats
 from recipe.update import train_on_rollout
@@ -72,7 +72,8 @@ def advantages_from_rewards(cfg: Config, buf: RolloutBuffer, rank: int, world: i
     statistics over all ranks in one all-reduce, then group advantages."""
     n = len(buf)
     rewards = fixed_rewards(n * world)[rank * n:(rank + 1) * n]
-    comp = SimpleNamespace(mask=buf.completion_mask, truncated=torch.zeros(n, dtype=torch.bool))
+    comp = Completions(ids=[[] for _ in range(n)], mask=buf.completion_mask, truncated=torch.zeros(n, dtype=torch.bool),
+                       texts=[""] * n)  # what rollout_stats reads: the masks and truncation
     stats = rollout_stats(rewards, {}, comp, 0, 0, False, all_equal_groups(rewards, cfg.num_generations))
     return group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std=stats["reward_std"])
 

@@ -2,7 +2,6 @@
 on; and waiting for a running job to reach a step."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import struct
@@ -10,6 +9,8 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from recipe.metrics import read_jsonl
 
 
 def children(pid: int) -> list[int]:
@@ -89,9 +90,7 @@ def wait_for_step(proc, out: Path, step: int, timeout: float = 300) -> None:
     """Wait until a running job's metrics.jsonl reaches `step` (fails at once if the job ended)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        path = Path(out) / "metrics.jsonl"
-        if path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines()
-                                 if line.strip().endswith("}")):
+        if any(r["step"] >= step for r in read_jsonl(Path(out) / "metrics.jsonl")):
             return
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.1)

@@ -3,9 +3,11 @@
 """
 from __future__ import annotations
 
-from recipe.generation.base import Completions, GenerationError, Generator, finish, generate_on_every_rank
+from recipe.generation.base import (Completions, GenerationError, Generator, finish, generate_on_every_rank,
+                                    rollout_seed)
 
-__all__ = ["Completions", "GenerationError", "Generator", "build_generator", "finish", "generate_on_every_rank"]
+__all__ = ["Completions", "GenerationError", "Generator", "build_generator", "finish", "generate_on_every_rank",
+           "rollout_seed"]
 
 
 def build_generator(cfg, engine, tokenizer) -> Generator:

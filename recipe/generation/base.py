@@ -41,6 +41,12 @@ class GenerationError(RuntimeError):
     """Generation failed on some rank; every rank raises it with that rank's message."""
 
 
+def rollout_seed(seed: int, rollout: int, rank: int, world: int) -> int:
+    """The sampling seed of one rank's share of a rollout. Seeds are spaced 1000 apart: vLLM's seeds s and s + 1
+    gave shifted copies of the same n samples."""
+    return (seed + (rollout * world + rank) * 1000) % 2**31
+
+
 def generate_on_every_rank(generator: Generator, prompt_ids: list[list[int]], where: str, **kw) -> Completions:
     """`generator.generate`, where a failure on any rank stops every rank with one message: a rank that just
     left would leave the others waiting in their next collective (up to collective_timeout_s) and lose the
