@@ -69,7 +69,8 @@ def is_collective_failure(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, getattr(dist, "DistError", ())) or isinstance(e, RuntimeError) and any(
         s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
-                            "gloo", "NCCL"))
+                            # gloo's words when a coalesced all-gather's wait() times out (seen in CI)
+                            "Application timeout caused pair closure", "Socket Timeout", "gloo", "NCCL"))
 
 
 def describe(e: BaseException) -> str:
