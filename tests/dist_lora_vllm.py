@@ -65,21 +65,24 @@ def main():
     ref = eng.init_reference(path, cfg, world, engine)
     gen = build_generator(cfg, engine, tok)
     gen.chunk_numel = 40_000  # several gathers per sync even for the tiny model
-    gathers = []  # per sync: the number of elements of each gather
+    gathers, in_sync = [], [False]  # per sync: the number of elements of each gather
     enter = deepspeed.zero.GatheredParameters.__enter__
 
     def counting_enter(self):
-        if gathers and getattr(self, "params", None):
+        if in_sync[0] and getattr(self, "params", None):
             gathers[-1].append(sum(p.ds_numel for p in self.params))
         return enter(self)
 
     deepspeed.zero.GatheredParameters.__enter__ = counting_enter
     sync = gen.sync
 
-    def counted_sync(engine):
+    def counted_sync(engine):  # only the sync's own gathers count (not the checks')
         gathers.append([])
-        sync(engine)
-        gathers.append(gathers.pop())  # closed: later gathers (the checks') are not this sync's
+        in_sync[0] = True
+        try:
+            sync(engine)
+        finally:
+            in_sync[0] = False
 
     gen.sync = counted_sync
     long = tok(" ".join(["POST: the landlord kept the deposit and the rent went up again"] * 16)).input_ids[:190]
@@ -109,8 +112,9 @@ def main():
         torch.equal(base_after[k], base_before[k]) and torch.equal(base_after[k], disk[k.removeprefix(
             "base_model.model.").replace(".base_layer.", ".")]) for k in base_after)
     # The reference after 10 syncs: the files' model (policy and vLLM moved; the reference did not)
-    comp = gen.generate(prompts, seed=rank)
-    buf = RolloutBuffer.build(prompts, comp.ids, torch.zeros(len(prompts)), comp.mask, tok.pad_token_id, order_seed=0)
+    comp = gen.generate(prompts, seed=rank)  # num_generations = 2 per prompt
+    rows = [p for p in prompts for _ in range(cfg.num_generations)]
+    buf = RolloutBuffer.build(rows, comp.ids, torch.zeros(len(rows)), comp.mask, tok.pad_token_id, order_seed=0)
     args = (buf.input_ids, buf.attention_mask, buf.completion_mask.shape[1], cfg.temperature)
     with torch.no_grad():
         ref_logps, policy_logps = forward_logps(ref, *args), forward_logps(engine, *args)

@@ -18,4 +18,6 @@ if [ "$(id -u)" = 0 ] && [ ! -x /usr/sbin/slurmctld ] && command -v apt-get >/de
 fi
 # As root the cluster can run (it needs root): its tests must not skip then.
 if [ "$(id -u)" = 0 ]; then export GRPO_REQUIRE_SLURM=1; fi
-exec .venv/bin/python -m pytest tests "$@"
+# Two test files at a time (GRPO_TEST_WORKERS): a file's tests stay in one worker, so its module fixtures (the
+# Slurm cluster, a shared training run) start once; about a quarter less wall time on 2 cores.
+exec .venv/bin/python -m pytest tests -n "${GRPO_TEST_WORKERS:-2}" --dist loadfile "$@"
