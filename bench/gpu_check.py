@@ -202,7 +202,8 @@ def main() -> None:
               "mfu_bf16": bf16["model_tflops_per_s"] / peak if peak else None,
               "peak_tflops_bf16_dense": peak,
               "machine": machine(cuda=torch.version.cuda, transformers=transformers.__version__,
-                                 peft=peft.__version__, deepspeed=deepspeed.__version__),
+                                 peft=peft.__version__, deepspeed=deepspeed.__version__,
+                                 deepspeed_from=str(Path(deepspeed.__file__).parent.parent)),
               "wall_s": time.perf_counter() - t_start}
     out = Path(args.out) if args.out else RESULTS / ("gpu_check.json" if cuda else "gpu_check_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,13 @@
 #
 # Without DeepSpeed it installs DeepSpeed 0.19.8 from its source package in bench/wheels (plus the few small
 # packages it imports that are missing) into a temporary folder: no network, nothing else touched.
-# PYTHON=... picks the interpreter (default python3).
+# PYTHON=... picks the interpreter (default python3); GPU_CHECK_INSTALL=1 installs from bench/wheels even where
+# DeepSpeed is present (CI tests that path with it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -c "import torch, transformers, peft" || { echo "gpu_check: needs torch, transformers and peft" >&2; exit 2; }
-if ! "$PY" -c "import deepspeed" 2>/dev/null; then
+if [ -n "${GPU_CHECK_INSTALL:-}" ] || ! "$PY" -c "import deepspeed" 2>/dev/null; then
   site=$(mktemp -d)/site
   pkgs=(deepspeed==0.19.8)
   for pair in hjson:hjson cpuinfo:py-cpuinfo msgpack:msgpack einops:einops ninja:ninja pynvml:nvidia-ml-py; do

@@ -142,8 +142,9 @@ def todays_forward_logps(model, input_ids, attention_mask, completion_len: int, 
 
 def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, bf16: bool, batch: int = 2,
             prompt: int = 64, completion: int = 512) -> None:
-    """Peak private memory of one micro-batch's log-prob forward and backward, over the model's weights and
-    gradients (allocated beforehand, as they are in training). bf16: the module in bf16, as DeepSpeed runs it."""
+    """Peak private memory of one micro-batch's log-prob forward (with the entropy metric, as the training
+    forward computes it) and backward, over the model's weights and gradients (allocated beforehand, as they are
+    in training). bf16: the module in bf16, as DeepSpeed runs it."""
     from recipe.update import forward_logps
 
     torch.manual_seed(0)
@@ -161,7 +162,7 @@ def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, bf16: b
     fn = todays_forward_logps if variant == "before" else forward_logps
     sampler = PeakSampler()
     t0 = time.perf_counter()
-    logp = fn(model, ids, attn, completion, 1.0)
+    logp, _ = fn(model, ids, attn, completion, 1.0, with_entropy=True)  # as the training forward asks
     (-logp.mean()).backward()
     seconds = time.perf_counter() - t0
     sampler.mark("logprob_fwd_bwd")

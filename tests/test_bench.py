@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -159,13 +160,17 @@ def test_scale_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_cpu_dry_run(tmp_path):
-    """bench/gpu_check.sh --cpu: the GPU check's steps on CPU with a small model (DeepSpeed already installed
-    here, so the install from bench/wheels is skipped)."""
+    """bench/gpu_check.sh --cpu: the GPU check's steps on CPU with a small model, DeepSpeed installed offline
+    from bench/wheels into a temporary folder as on a GPU machine without it (GPU_CHECK_INSTALL: although this
+    environment has DeepSpeed, the check runs on the copy it installed)."""
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu", "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, env=rank_env(PYTHON=sys.executable, BENCH_RESULTS=tmp_path), timeout=600)
+                          text=True, env=rank_env(PYTHON=sys.executable, BENCH_RESULTS=tmp_path, GPU_CHECK_INSTALL=1,
+                                                  PIP_NO_CACHE_DIR=1), timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
+    (site,) = re.findall(r"gpu_check: installing deepspeed==0.19.8.* from bench/wheels into (\S+)", proc.stderr)
+    assert r["machine"]["deepspeed_from"] == site and r["machine"]["deepspeed"] == "0.19.8"
     assert r["bf16_vs_fp32"]["within_bf16_tolerance"] and r["train_bf16"]["param_dtype"] == "torch.bfloat16"
     assert r["generation"]["greedy_equal"] and r["generation"]["full"]["tokens"] > 0
     assert r["train_bf16"]["completion_tokens_per_s"] > 0 and r["mfu_bf16"] is None  # no peak FLOPs for a CPU
