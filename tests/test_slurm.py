@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from procs import listening
 from recipe.metrics import read_jsonl
 from slurm_cluster import LocalSlurm, missing_reason
 
@@ -47,9 +48,18 @@ def job_log(tmp_path, name="grpo") -> str:
 
 
 def test_two_nodes_one_rank_each_train_to_completion(cluster, tmp_path, tiny_model_dir):
-    proc = sbatch(cluster, tmp_path, *SHORT, "--max_steps", "24")
+    job = sbatch(cluster, tmp_path, *SHORT, "--max_steps", "24", background=True)
+    # while it trains: what the job's processes (node.py, which hosts the store, and the ranks) listen on
+    deadline = time.monotonic() + 600
+    while not any(r["step"] >= 2 for r in read_jsonl(tmp_path / "out" / "metrics.jsonl")):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.2)
+    sockets = listening(processes_of(tmp_path / "out"))
+    _, err = job.communicate(timeout=900)
     log = job_log(tmp_path)
-    assert proc.returncode == 0, proc.stderr + log[-4000:]
+    assert job.returncode == 0, err + log[-4000:]
+    # a multi-node store listens on the address the launcher was given (node0: 127.0.0.1 here), never on all
+    assert sockets and all(a.rsplit(":", 1)[0] not in ("0.0.0.0", "::") for _, a in sockets), sockets
     # One task per node, each starting its rank, both meeting at the first node's address.
     assert "0: node.py: node 0/2: ranks 0..0 of 2 (CPU), rendezvous node0:" in log
     assert "1: node.py: node 1/2: ranks 1..1 of 2 (CPU), rendezvous node0:" in log
@@ -79,6 +89,21 @@ def test_config_error_is_exit_code_2_of_the_job(cluster, tmp_path):
     log = job_log(tmp_path)
     assert proc.returncode == 2, proc.stderr + log[-4000:]
     assert "config error: num_generations:" in log and "training exited with 2" in log and "Traceback" not in log
+
+
+def processes_of(out) -> list[int]:
+    """The recipe's processes for this output folder: each node's launcher (node.py) and its ranks (Slurm's own,
+    srun and slurmstepd, are not the recipe's)."""
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and str(out).encode() in _cmdline(p)
+            and b"python" in _cmdline(p).split(b"\0")[0]
+            and any(k in _cmdline(p) for k in (b"launch/slurm/node.py", b"recipe.train"))]
+
+
+def _cmdline(p: Path) -> bytes:
+    try:
+        return (p / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def recipe_processes(out) -> list[int]:
