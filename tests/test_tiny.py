@@ -51,6 +51,10 @@ def test_incomplete_cache_folder_is_rebuilt_complete(cache, capfd):
     assert tiny.missing_files(target) == ["config.json's architectures"]
     tiny.ensure_builtin("builtin:tiny-qwen2")
     assert tiny.missing_files(target) == []
+    (target / "tokenizer.json").unlink()  # without it AutoTokenizer would build another tokenizer, silently
+    assert tiny.missing_files(target) == ["tokenizer.json"]
+    tiny.ensure_builtin("builtin:tiny-qwen2")
+    assert tiny.missing_files(target) == [] and "lacks tokenizer.json" in capfd.readouterr().err
 
 
 def test_saved_weights_load_back_identical_with_tied_head_named_as_embeddings(cache):
