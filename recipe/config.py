@@ -149,6 +149,7 @@ class Config:
     # --- evaluation during training (costs no training state: the run is the same with it on or off) -------
     eval_dataset_name: str | None = opt(None, "eval prompts: a local file or a hub name (same prompt_column)")
     eval_dataset_split: str | None = opt(None, "its split (slices work); null = test, or for a file the whole file")
+    eval_dataset_config: str | None = opt(None, "its config name (e.g. main); null = dataset_config's")
     eval_holdout_size: int = opt(0, "or: hold this many train prompts out of training and evaluate on them")
     eval_steps: int = opt(0, "evaluate every N optimizer steps; 0 = never")
     eval_on_start: bool = opt(False, "also evaluate before the first step (logged as step 0)")

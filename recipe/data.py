@@ -49,23 +49,26 @@ def _field_named_by(message: str) -> str:
 def load_prompt_dataset(cfg: Config, for_eval: bool = False):
     """The prompt dataset: a local file in any format `datasets` reads, a local dataset folder (data files,
     a README.md with `configs:`, or a `save_to_disk` folder), or a hub dataset; `dataset_split` may slice.
-    With `for_eval`: eval_dataset_name and eval_dataset_split (a hub one with the same dataset_config)."""
+    With `for_eval`: eval_dataset_name, eval_dataset_split and eval_dataset_config (null: dataset_config's)."""
     import datasets
 
     datasets.disable_progress_bars()
     name, config, split = cfg.dataset_name, cfg.dataset_config, cfg.dataset_split
     named = lambda f: f  # noqa: E731 (the field an error names)
+    own_config = not for_eval or cfg.eval_dataset_config is not None  # an inherited config does not bind a file
     if for_eval:
         name, split = cfg.eval_dataset_name, cfg.eval_dataset_split
-        named = lambda f: f if f == "dataset_config" else f"eval_{f}"  # noqa: E731
+        config = cfg.eval_dataset_config if own_config else cfg.dataset_config
+        named = lambda f: f"eval_{f}" if own_config or f != "dataset_config" else f  # noqa: E731
     path = resolve_path(os.path.expanduser(name))
     if split is None:  # eval_dataset_split null: a file's rows are its one split, "train"; a dataset's test split
         split = "train" if path.is_file() else "test"
     where = f"{name!r}" + (f" config {config!r}" if config else "") + f" split {split!r}"
     try:
         if path.is_file():
-            if config and not for_eval:
-                raise DataError(f"dataset_config: {name} is a single file, it has no configs (got {config!r})")
+            if config and own_config:
+                raise DataError(f"{named('dataset_config')}: {name} is a single file, it has no configs "
+                                f"(got {config!r})")
             check_not_empty(path, name, named("dataset_name"))
             # the folder-based loader infers the format from the file's extension (compressed ones too)
             ds = datasets.load_dataset(str(path.parent.resolve()), data_files=path.name, split=split)

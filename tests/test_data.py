@@ -132,6 +132,25 @@ def test_dataset_config_picks_the_config_and_split_slices(tmp_path):
         load_prompt_dataset(cfg_for(folder / "main" / "train.jsonl", prompt_column="question", dataset_config="main"))
 
 
+def test_eval_dataset_config_picks_the_eval_sets_config(tmp_path):
+    """A local train file and an eval dataset with configs (GSM8K's main): the eval set has its own config."""
+    folder = write_two_config_dataset(tmp_path / "gsm")
+    train = write_jsonl(tmp_path / "train.jsonl", [{"question": "t0", "answer": "#### 1"}])
+    cfg = cfg_for(train, prompt_column="question", eval_dataset_name=str(folder), eval_dataset_split="train",
+                  eval_dataset_config="socratic")
+    train_set, eval_set = load_datasets(cfg)
+    assert train_set["question"][:] == ["t0"] and eval_set["question"][:] == ["s0", "s1"]
+    # null: the train set's config, which a single eval file ignores
+    inherit = cfg_for(folder, prompt_column="question", dataset_config="main", eval_dataset_name=str(train))
+    assert load_datasets(inherit)[1]["question"][:] == ["t0"]
+    with pytest.raises(DataError, match=r"^eval_dataset_config: .* is a single file"):
+        load_datasets(cfg_for(folder, prompt_column="question", dataset_config="main", eval_dataset_name=str(train),
+                              eval_dataset_config="main"))
+    with pytest.raises(DataError, match=r"^eval_dataset_config: .*'nope' not found"):
+        load_datasets(cfg_for(train, prompt_column="question", eval_dataset_name=str(folder),
+                              eval_dataset_split="train", eval_dataset_config="nope"))
+
+
 def chat_tokenizer(tok, folder):
     """The tiny tokenizer with a chat template (it has none), saved and reloaded as a user's would be."""
     from recipe.engine import load_tokenizer
