@@ -25,3 +25,10 @@ def test_help_lists_every_field_with_type_default_and_description():
     proc = subprocess.run([sys.executable, "-m", "recipe.train", "--help"], cwd=REPO, env=rank_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == text and not proc.stderr.strip()
+
+
+def test_readme_documents_every_field():
+    """The README's config tables name every field (a field added without its line there would be found only by
+    --help)."""
+    readme = (REPO / "README.md").read_text()
+    assert [f.name for f in dataclasses.fields(Config) if f"`{f.name}`" not in readme] == []
