@@ -236,6 +236,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true",
                     help="keep the other regimes' runs from the existing reuse_regimes.json (rerun only --regimes)")
     ap.add_argument("--resummarize", action="store_true", help="run nothing: summarize and plot the stored runs again")
+    ap.add_argument("--tables", action="store_true", help="run nothing: print bench/README.md's tables of the stored runs")
     args = ap.parse_args()
     if "1" not in args.variants:
         ap.error("--variants must include 1 (the baseline)")
@@ -243,6 +244,9 @@ def main() -> None:
         r["budget_s"] *= args.budget_scale
 
     path = RESULTS / "reuse_regimes.json"
+    if args.tables:
+        old = json.loads(path.read_text())
+        return print(tables({k: v for k, v in old["regimes"].items() if k in args.regimes}))
     if args.resummarize:  # the stored runs summarized and plotted again (after a change to the summary's rules)
         old = json.loads(path.read_text())
         return write(old["runs"], old["commands"], old.get("clock", args.clock), old["total_wall_s"], old["machine"])
@@ -300,6 +304,43 @@ def write(runs: list[dict], commands: list[str], clock: str, total_wall_s: float
         print(f"{reg} (generation share {s['generation_share_mu1']:.2f}, {s['clock']}):",
               {v: {f: None if x is None else round(x, 2) for f, x in row.items()} for v, row in medians(summary)[reg].items()},
               s.get("verdict", ""))
+
+
+def tables(summary: dict) -> str:
+    """bench/README.md's tables, one per regime, from the summary (`--tables`)."""
+    def cell(row: dict, f: str) -> str:
+        m = row[f]["median"]
+        if m is None:
+            return "-"
+        # a lower bound at or below the median could raise it: then the median is a bound too
+        bound = any(b and x is not None and x <= m for x, b in zip(row[f]["per_seed"], row[f]["per_seed_is_lower_bound"]))
+        return ("≥" if bound else "") + f"{m:.2f}"
+
+    def seeds(row: dict) -> str:
+        return ", ".join("-" if x is None else ("≥" if b else "") + f"{x:.2f}"
+                         for x, b in zip(row["0.8"]["per_seed"], row["0.8"]["per_seed_is_lower_bound"]))
+
+    out = []
+    for regime, r in summary.items():
+        unit = {"cpu_s": "CPU s", "time_s": "s"}[r["clock"]]
+        design = "; designed on" if r["designed_on"] else "; not used to design the rule"
+        out += [f"**{regime}** ({r['about']}; generation share at mu = 1: {r['generation_share_mu1']:.2f}; budget "
+                f"{r['budget_s']:g} {unit}; reward {r['first_reward']:.3g} -> best {r['best_reward']:.3g}{design})", "",
+                "| variant | to 50% | to 80% | to 90% | per seed, to 80% | passes/rollout | tokens clipped | "
+                "replay efficiency (80%) |", "|---|---|---|---|---|---|---|---|"]
+        for v, row in r["variants"].items():
+            e = row.get("replay_efficiency_0.8")
+            out.append(f"| {v} | {cell(row, '0.5')} | {cell(row, '0.8')} | {cell(row, '0.9')} | {seeds(row)} | "
+                       f"{row['passes_used_mean']:.2f} | {row['clip_ratio_region_mean']:.3f} | "
+                       f"{'' if e is None else f'{e:.2f}'} |")
+        if "verdict" in r:
+            v = r["verdict"]
+            out.append(f"\nauto to 80%: {v['auto'] or 0:.2f}x mu = 1, {v['auto_over_best'] or 0:.2f} of the best fixed "
+                       f"mu (mu = {v['best_fixed_mu']}, {v['best_fixed'] or 0:.2f}x): no later than mu = 1 "
+                       f"{'yes' if v['no_later_than_mu1'] else 'NO'}, within 10% of the best "
+                       f"{'yes' if v['within_10pct_of_best'] else 'NO'}")
+        out.append("")
+    return "\n".join(out)
 
 
 def medians(summary: dict) -> dict:
