@@ -23,7 +23,7 @@ with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's
     python bench/reuse_regimes.py --regimes trl_lr1e-3 --variants 1 2 4 8 auto --keep
     python bench/reuse_regimes.py --regimes h128_long_lr6e-4 --variants 1 2 4 auto --keep
 
-(`--keep` adds to the existing result file, replacing only the regimes it runs. The default has not been run in
+(`--keep` adds to the existing result file, replacing only the regime and variant pairs it runs. The default has not been run in
 the other regimes yet; space_b16_lr1e-3 and vowel_b8_lr3e-4 are defined but not yet measured.)
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ REGIMES = {
                          "about": "generation-dominated, length-neutral reward (vowel share): 256 new tokens, G = 4, "
                                   "16 completions/step, lr 3e-4"},
 }
-# The map num_iterations: auto was designed on: its constant reuse_kl_scale was read off trl_lr1e-3
+# The map num_iterations: auto was designed on: its constant (kappa, then reuse_max_kl) was read off trl_lr1e-3
 # and long_g4_lr3e-4. The regimes below were added afterwards, to test the rule where it was not tuned.
 DESIGNED_ON = set(REGIMES)
 SPACE = [*H64, "--reward_funcs", json.dumps(["bench/regime_rewards.py:space_share"]), "--num_generations", "4",
@@ -90,6 +90,10 @@ REGIMES.update({
     # a different width and learning rate with long completions
     "h128_long_lr6e-4": {"args": [*LONG, "--model_name_or_path", "builtin:tiny-qwen2", "--learning_rate", "6e-4"],
                          "budget_s": 60, "about": "hidden 128, 256 new tokens, 8 completions/step, lr 6e-4"},
+    # a learning rate and a completion length between the map's: 128 new tokens, 16 completions/step in 2 micro-batches
+    "mid_lr6e-4": {"args": [*TINY, "--max_completion_length", "128", "--per_device_train_batch_size", "8",
+                            "--gradient_accumulation_steps", "2", "--learning_rate", "6e-4"], "budget_s": 60,
+                   "about": "128 new tokens, 16 completions/step (2 micro-batches), lr 6e-4"},
     # the most generation-dominated regime these CPUs allow with a length-neutral reward: 8 completions per step
     # (decoding costs about the same per token step whatever the batch, training halves), mu up to 8
     "vowel_b8_lr3e-4": {"args": [*VOWEL, "--per_device_train_batch_size", "8", "--learning_rate", "3e-4"],
@@ -234,12 +238,12 @@ def main() -> None:
                     help="budgets and the verdict on process CPU seconds (cpu_s: robust to other jobs on the machine) "
                          "or wall seconds (time_s); the other clock is reported too")
     ap.add_argument("--keep", action="store_true",
-                    help="keep the other regimes' runs from the existing reuse_regimes.json (rerun only --regimes)")
+                    help="keep the stored runs of reuse_regimes.json, replacing only the (regime, variant) pairs run now")
     ap.add_argument("--resummarize", action="store_true", help="run nothing: summarize and plot the stored runs again")
     ap.add_argument("--tables", action="store_true", help="run nothing: print bench/README.md's tables of the stored runs")
     args = ap.parse_args()
-    if "1" not in args.variants:
-        ap.error("--variants must include 1 (the baseline)")
+    if "1" not in args.variants and not args.keep:
+        ap.error("--variants must include 1 (the baseline), or --keep the stored mu = 1 runs")
     for r in REGIMES.values():
         r["budget_s"] *= args.budget_scale
 
@@ -250,6 +254,10 @@ def main() -> None:
     if args.resummarize:  # the stored runs summarized and plotted again (after a change to the summary's rules)
         old = json.loads(path.read_text())
         return write(old["runs"], old["commands"], old.get("clock", args.clock), old["total_wall_s"], old["machine"])
+    if "1" not in args.variants:  # checked before any run: the stored baseline must be there
+        stored = {(r["regime"], r["variant"]) for r in json.loads(path.read_text())["runs"]} if path.exists() else set()
+        if missing := [reg for reg in args.regimes if (reg, "1") not in stored]:
+            ap.error(f"--variants lacks 1 and {path} has no mu = 1 runs of {', '.join(missing)}")
     root = RESULTS / "tmp" / "reuse_regimes"
     plan = []
     for i, seed in enumerate(args.seeds):
@@ -265,12 +273,13 @@ def main() -> None:
          f"--clock {args.clock}"] + (["--keep"] if args.keep else []))]
     if args.keep and path.exists():
         old = json.loads(path.read_text())
-        kept = [r for r in old["runs"] if r["regime"] not in args.regimes]
-        for r in kept:
+        for r in old["runs"]:
             r.setdefault("budget_s", old["regimes"][r["regime"]]["budget_s"])
             r["variant"] = RENAMED.get(r["variant"], r["variant"])
-        still = {r["regime"] for r in kept}  # commands whose regimes were all rerun now are history
-        old_commands = [c for c in old.get("commands") or [old["command"]] if still & set(regimes_of(c))]
+        rerun = {(r["regime"], r["variant"]) for r in runs}
+        kept = [r for r in old["runs"] if (r["regime"], r["variant"]) not in rerun]
+        still = {(r["regime"], r["variant"]) for r in kept}  # commands whose runs were all redone now are history
+        old_commands = [c for c in old.get("commands") or [old["command"]] if still & set(runs_of(c))]
         runs, commands = kept + runs, old_commands + commands
     write(runs, commands, args.clock, time.perf_counter() - t0)
 
@@ -348,10 +357,17 @@ def medians(summary: dict) -> dict:
             for reg, s in summary.items()}
 
 
-def regimes_of(command: str) -> list[str]:
+def runs_of(command: str) -> list[tuple[str, str]]:
+    """The (regime, variant) pairs a stored command ran (older commands without --variants ran the defaults)."""
     words = command.split()
-    i = words.index("--regimes") + 1
-    return words[i:next((j for j in range(i, len(words)) if words[j].startswith("--")), len(words))]
+
+    def after(flag: str, default: list[str]) -> list[str]:
+        if flag not in words:
+            return default
+        i = words.index(flag) + 1
+        return words[i:next((j for j in range(i, len(words)) if words[j].startswith("--")), len(words))]
+    variants = [RENAMED.get(v, v) for v in after("--variants", ["1", "2", "4", "8", "auto"])]
+    return [(reg, v) for reg in after("--regimes", list(REGIMES)) for v in variants]
 
 
 def report(r: dict) -> dict:
