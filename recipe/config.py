@@ -108,7 +108,8 @@ class Config:
                                         "pass's mean approximate KL to the sampling policy exceeds this; null = off")
     reuse_max_clip_fraction: float | None = opt(None, "adaptive reuse: the same on the clipped-token fraction")
     reuse_max_iterations: int = opt(8, "auto: the most passes a rollout gets")
-    reuse_kl_scale: float = opt(8e-4, "auto: kappa; replay while the next pass's KL < kappa g / (1 - g)")
+    reuse_max_kl: float = opt(1.8e-3, "auto: the drift at which a replay is worth nothing; replay while the next "
+                                      "pass's KL < g * this")
     reuse_generation_share: float | None = opt(None, "auto: pin g, generation's share of a step; null = measure it")
     reuse_measure_rollouts: int = opt(3, "auto: rollouts after the first whose timings give the frozen cost ratio")
     # --- batch shape (per rank) --------------------------------------------------------
@@ -236,10 +237,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.reuse_max_clip_fraction is None or 0 < cfg.reuse_max_clip_fraction < 1,
          f"reuse_max_clip_fraction: must be in (0, 1) or null, got {cfg.reuse_max_clip_fraction}")
     need(not (cfg.auto_reuse and cfg.reuse_target_kl is not None),
-         "reuse_target_kl: num_iterations: auto sets the KL target from the generation share (reuse_kl_scale); "
+         "reuse_target_kl: num_iterations: auto sets the KL target from the generation share (reuse_max_kl); "
          "give a fixed num_iterations to set it by hand")
     need(cfg.reuse_max_iterations >= 1, f"reuse_max_iterations: must be >= 1, got {cfg.reuse_max_iterations}")
-    need(cfg.reuse_kl_scale > 0, f"reuse_kl_scale: must be > 0, got {cfg.reuse_kl_scale}")
+    need(cfg.reuse_max_kl > 0, f"reuse_max_kl: must be > 0, got {cfg.reuse_max_kl}")
     need(cfg.reuse_generation_share is None or 0 < cfg.reuse_generation_share < 1,
          f"reuse_generation_share: must be in (0, 1) or null, got {cfg.reuse_generation_share}")
     need(cfg.reuse_measure_rollouts >= 1, f"reuse_measure_rollouts: must be >= 1, got {cfg.reuse_measure_rollouts}")

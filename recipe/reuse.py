@@ -7,14 +7,17 @@ is exceeded, which skips the rollout's remaining passes.
 `num_iterations: auto`: a replayed pass costs one pass of training, T_train; a fresh rollout costs T_gen + T_train
 (generation, scoring, weight sync, old log-probs). With g = T_gen / (T_gen + T_train), generation's share of a
 mu = 1 step, a replay pays when it is worth more than 1 - g of a fresh pass. Taking a replay's worth as
-1 / (1 + KL / kappa), KL the drift it will run at, gives: replay while KL_next < kappa * g / (1 - g), at most
-`reuse_max_iterations` passes. KL_next is extrapolated from the pass just done (`next_pass_kl`).
+1 - KL / KL_max, KL the drift it will run at and KL_max (`reuse_max_kl`) the drift at which a replay is worth
+nothing, gives: replay while KL_next < g * KL_max, at most `reuse_max_iterations` passes. KL_next is
+extrapolated from the pass just done (`next_pass_kl`). The worth reaches zero at a finite drift: however dear
+generation is, a replay never runs past KL_max (an earlier worth, 1 / (1 + KL / kappa), never reached zero and
+let generation-dominated runs replay to KL 5e-3, where passes 5-8 paid nothing).
 
 g / (1 - g) = T_gen / T_train is priced per rollout from its own size: T_gen = a * decoding steps, T_train =
 b * tokens trained per pass, so g follows the rollout as completions grow or shrink. The clock gives only the
 cost ratio a / b: measured on rollouts 1..M (rollout 0 warms up), summed over all ranks, then frozen and
 checkpointed; sizes are all-reduced counts. Every rank therefore takes the same decisions, and a resume repeats
-them. Until a / b is known, g = 1/2 (target kappa); `reuse_generation_share` pins g for exactly reproducible runs.
+them. Until a / b is known, g = 1/2 (target KL_max / 2); `reuse_generation_share` pins g for exactly reproducible runs.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ ROLLOUT_PHASES = ("sync", "generate", "score", "old_logp")  # a fresh rollout's 
 class ReuseController:
     def __init__(self, cfg: Config):
         self.auto, self.max_clip = cfg.auto_reuse, cfg.reuse_max_clip_fraction
-        self.fixed_kl, self.kl_scale = cfg.reuse_target_kl, cfg.reuse_kl_scale
+        self.fixed_kl, self.max_kl = cfg.reuse_target_kl, cfg.reuse_max_kl
         self.measure, self.steps_per_pass = cfg.reuse_measure_rollouts, cfg.optimizer_steps_per_pass
         pinned = cfg.reuse_generation_share
         self.pinned_odds = None if pinned is None else pinned / (1.0 - pinned)
@@ -54,10 +57,17 @@ class ReuseController:
         return self.cost_ratio * self.size[0] / max(self.size[1], 1)
 
     @property
+    def generation_share(self) -> float | None:
+        """g of the current rollout (None: not known yet)."""
+        odds = self.odds
+        return None if odds is None else odds / (1.0 + odds)
+
+    @property
     def target_kl(self) -> float | None:
         if not self.auto:
             return self.fixed_kl
-        return self.kl_scale * (1.0 if self.odds is None else self.odds)  # g = 1/2 until measured
+        g = self.generation_share
+        return self.max_kl * (0.5 if g is None else g)  # g = 1/2 until measured
 
     def measuring(self, rollout: int) -> bool:
         return self.auto and self.pinned_odds is None and self.cost_ratio is None and 1 <= rollout <= self.measure
@@ -104,8 +114,7 @@ class ReuseController:
 
     def status(self) -> dict:
         """For the metrics line: the KL target in force and, with auto, the rollout's g it came from."""
-        odds = self.odds if self.auto else None
-        return {"reuse_kl_target": self.target_kl, "reuse_generation_share": None if odds is None else odds / (1 + odds)}
+        return {"reuse_kl_target": self.target_kl, "reuse_generation_share": self.generation_share if self.auto else None}
 
     def state_dict(self) -> dict:
         return {"kl_sum": self.kl_sum, "clip_sum": self.clip_sum, "tokens": self.tokens, "size": list(self.size),

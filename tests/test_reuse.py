@@ -57,8 +57,8 @@ def test_fixed_targets_decide_per_pass_on_token_weighted_means():
 
 
 def test_auto_replays_while_the_next_pass_drift_is_below_the_target_set_by_g():
-    # g = 0.8: a fresh rollout costs 5 replays, so a replay may drift up to kappa * 0.8 / 0.2 = 4 kappa
-    ctl = ReuseController(Config(num_iterations="auto", reuse_generation_share=0.8, reuse_kl_scale=1e-3))
+    # g = 0.8: a replay pays while it is worth more than 0.2 of a fresh pass, 1 - KL / KL_max > 0.2: KL < 0.8 KL_max
+    ctl = ReuseController(Config(num_iterations="auto", reuse_generation_share=0.8, reuse_max_kl=5e-3))
     assert ctl.enabled and ctl.target_kl == pytest.approx(4e-3)
     assert not ctl.step_done(step(0, kl=0.0, it=0), last_in_pass=True)  # on-policy: the first replay is free
     # KL grows like the updates squared: after pass 1 the next pass runs at about 4x, after pass 2 at 2.25x
@@ -68,25 +68,28 @@ def test_auto_replays_while_the_next_pass_drift_is_below_the_target_set_by_g():
     assert ctl.step_done(step(0, kl=1.8e-3, it=2), last_in_pass=True)  # next ~4.05e-3
     # two steps per pass: pass 0 saw 0 and 1 updates (KL ~ 0 + 1), pass 1 will see 2 and 3 (4 + 9)
     assert next_pass_kl(1e-4, 0, 2) == pytest.approx(13e-4) and next_pass_kl(0.0, 0, 1) == 0.0
-    low = Config(num_iterations="auto", reuse_generation_share=0.2, reuse_kl_scale=1e-3)
-    assert ReuseController(low).target_kl == pytest.approx(2.5e-4)
+    low = Config(num_iterations="auto", reuse_generation_share=0.2, reuse_max_kl=5e-3)
+    assert ReuseController(low).target_kl == pytest.approx(1e-3)
+    # however dear generation is, a replay never runs past KL_max: its worth is zero there
+    dear = Config(num_iterations="auto", reuse_generation_share=0.999, reuse_max_kl=5e-3)
+    assert 4.99e-3 < ReuseController(dear).target_kl < 5e-3
     unknown = ReuseController(Config(num_iterations="auto"))
-    assert unknown.target_kl == Config().reuse_kl_scale  # before g is known: g = 1/2
+    assert unknown.target_kl == Config().reuse_max_kl / 2  # before g is known: g = 1/2
 
 
 def test_auto_prices_each_rollout_with_the_cost_ratio_measured_after_the_warmup(world_of_one):
-    ctl = ReuseController(Config(num_iterations="auto", reuse_measure_rollouts=2, reuse_kl_scale=1e-3))
+    ctl = ReuseController(Config(num_iterations="auto", reuse_measure_rollouts=2, reuse_max_kl=6e-3))
     for r, gen, train_per_pass, passes in [(0, 50.0, 9.0, 1), (1, 3.0, 1.0, 3), (2, 5.0, 1.0, 1)]:
         for p in range(passes):
             ctl.step_done(step(r, gen=gen if p == 0 else 0.0, train=train_per_pass, it=p), last_in_pass=True)
-        assert ctl.cost_ratio is None and ctl.target_kl == pytest.approx(1e-3)  # g = 1/2 until measured
+        assert ctl.cost_ratio is None and ctl.target_kl == pytest.approx(3e-3)  # g = 1/2 until measured
     # rollouts 1-2 only: 8 s for 200 decoding steps, 4 s for 4 passes of 1000 tokens -> a / b = 0.04 / 0.001
     ctl.step_done(step(3, gen=99.0, train=99.0), last_in_pass=True)
     assert ctl.cost_ratio == pytest.approx(40.0)
-    assert ctl.target_kl == pytest.approx(4e-3) and ctl.status()["reuse_generation_share"] == pytest.approx(0.8)
-    # a rollout with half the decoding steps costs half the generation: g = 2/3, a replay may drift half as far
+    assert ctl.target_kl == pytest.approx(4.8e-3) and ctl.status()["reuse_generation_share"] == pytest.approx(0.8)
+    # a rollout with half the decoding steps costs half the generation: g = 2/3, a replay may drift less far
     ctl.step_done(step(4, decode=50.0, gen=1.0, train=100.0), last_in_pass=True)
-    assert ctl.cost_ratio == pytest.approx(40.0) and ctl.target_kl == pytest.approx(2e-3)  # frozen: timings ignored
+    assert ctl.cost_ratio == pytest.approx(40.0) and ctl.target_kl == pytest.approx(4e-3)  # frozen: timings ignored
     again = ReuseController(Config(num_iterations="auto", reuse_measure_rollouts=2))
     again.load_state_dict(ctl.state_dict())
     assert again.cost_ratio == ctl.cost_ratio and again.odds == ctl.odds
@@ -96,7 +99,7 @@ def test_auto_prices_each_rollout_with_the_cost_ratio_measured_after_the_warmup(
     (["--num_iterations", "sometimes"], "num_iterations: must be an integer mu >= 1 or auto, got 'sometimes'"),
     (["--reuse_target_kl", "1e-3"], "reuse_target_kl: num_iterations: auto sets the KL target"),
     (["--reuse_max_iterations", "0"], "reuse_max_iterations: must be >= 1"),
-    (["--reuse_kl_scale", "0"], "reuse_kl_scale: must be > 0"),
+    (["--reuse_max_kl", "0"], "reuse_max_kl: must be > 0"),
     (["--reuse_generation_share", "1"], "reuse_generation_share: must be in (0, 1) or null"),
     (["--reuse_measure_rollouts", "0"], "reuse_measure_rollouts: must be >= 1"),
 ])
@@ -143,9 +146,8 @@ def test_auto_freezes_the_same_g_on_every_rank_and_a_resume_repeats_every_decisi
     assert recs[1]["iteration"] == 1  # a pass on-policy (KL 0) is always worth a replay
     priced = [r for r in recs if r["reuse_generation_share"] is not None]
     assert priced and all(0 < r["reuse_generation_share"] < 1 for r in priced)
-    kappa = Config().reuse_kl_scale
-    assert all(r["reuse_kl_target"] == pytest.approx(kappa * r["reuse_generation_share"] /
-                                                     (1 - r["reuse_generation_share"])) for r in priced)
+    max_kl = Config().reuse_max_kl
+    assert all(r["reuse_kl_target"] == pytest.approx(max_kl * r["reuse_generation_share"]) for r in priced)
     saved = sorted((out / "checkpoints").glob("step-*"))
     for ckpt in saved:  # both ranks hold the same decisions, the same frozen cost ratio and where they are
         states = [safe_load(ckpt / f"loop_rank{r}.pt") for r in (0, 1)]
@@ -162,7 +164,7 @@ def test_auto_freezes_the_same_g_on_every_rank_and_a_resume_repeats_every_decisi
 
 @pytest.mark.slow
 def test_pinned_g_makes_auto_runs_reproducible(tmp_path):
-    pinned = ["--num_iterations", "auto", "--reuse_generation_share", "0.6", "--reuse_kl_scale", "2e-4"]
+    pinned = ["--num_iterations", "auto", "--reuse_generation_share", "0.6", "--reuse_max_kl", "5e-4"]
     run(*pinned, "--output_dir", str(tmp_path / "a"), "--save_steps", "0")
     run(*pinned, "--output_dir", str(tmp_path / "b"), "--save_steps", "0")
     a, b = (read_jsonl(tmp_path / x / "metrics.jsonl") for x in "ab")
