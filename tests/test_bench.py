@@ -105,6 +105,17 @@ def test_reuse_regimes_smoke(tmp_path):
         assert 45 * 0.08 <= run["trained"]["cpu_s"] and run["rows"][-1]["cpu_s"] <= 45 * 0.08 + 5
         assert all(a["cpu_s"] < b["cpu_s"] for a, b in zip(run["rows"], run["rows"][1:]))
     assert_plot(tmp_path / "reuse_trl_lr1e-3.png", 770, 495)
+    # --keep adds a variant to a stored regime: the stored runs (mu = 1 the baseline) stay as they were
+    bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "2", "--seeds", "0",
+          "--budget_scale", "0.08", "--keep")
+    again = json.loads((tmp_path / "reuse_regimes.json").read_text())
+    assert set(again["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "auto", "2"} and len(again["commands"]) == 2
+    assert [x for x in again["runs"] if x["variant"] != "2"] == r["runs"]
+    # without a stored mu = 1 there is no baseline: refused before anything runs
+    for args in (["--regimes", "short_lr3e-4", "--keep"], ["--regimes", "trl_lr1e-3"]):
+        proc = subprocess.run([sys.executable, "reuse_regimes.py", *args, "--variants", "2"], cwd=REPO / "bench",
+                              capture_output=True, text=True, env=rank_env(BENCH_RESULTS=tmp_path), timeout=120)
+        assert proc.returncode == 2 and "mu = 1" in proc.stderr.splitlines()[-1], proc.stderr
 
 
 @pytest.mark.slow
