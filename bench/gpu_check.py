@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -144,7 +143,7 @@ def generation(engine, folder: str, size: dict, cuda: bool, vocab: int) -> dict:
     return res
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="small model on CPU (the dry run)")
     ap.add_argument("--out", default=None, help="default: bench/results/gpu_check.json (GPU) or gpu_check_cpu.json")
@@ -210,9 +209,10 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("device", "bf16_vs_fp32", "mfu_bf16", "wall_s")}, indent=1))
     print(f"gpu_check: wrote {out}")
-    sys.stdout.flush()
-    os._exit(0 if comparison["within_bf16_tolerance"] else 1)
+    return 0 if comparison["within_bf16_tolerance"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    from recipe import liveness
+
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown (see recipe.liveness)

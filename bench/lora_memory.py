@@ -106,7 +106,9 @@ def run(model_name: str, mode: str, nproc: int) -> list[dict]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        return worker(*sys.argv[2:5])
+        from recipe import liveness
+
+        return liveness.run_and_exit(lambda: worker(*sys.argv[2:5]))  # no gloo/DeepSpeed teardown
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2, help="ranks (CPU processes or GPUs)")
     ap.add_argument("--models", default="tiny,bigger", help="comma-separated: tiny, bigger")

@@ -257,10 +257,9 @@ def main() -> None:
         logprob(model_dir, out, variant, rest[0] == "1", rest[1] == "1", *map(int, rest[2:]))
     else:
         raise SystemExit(f"unknown part {part}")
-    import os
-
-    os._exit(0)  # skip gloo/DeepSpeed teardown (see recipe/train.py)
 
 
 if __name__ == "__main__":
-    main()
+    from recipe import liveness
+
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown (see recipe.liveness)

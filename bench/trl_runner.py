@@ -101,10 +101,6 @@ def main(spec_path: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
-    code = main(sys.argv[1])
-    # As in recipe/train.py: everything is written; skip interpreter teardown, where gloo/DeepSpeed background
-    # threads' destructors occasionally abort ("terminate called without an active exception") and turn a
-    # finished run into a failed one (seen in CI's vs_trl smoke run).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from recipe import liveness
+
+    liveness.run_and_exit(lambda: main(sys.argv[1]))  # no interpreter teardown, as in recipe/train.py

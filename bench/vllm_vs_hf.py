@@ -117,4 +117,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from recipe import liveness
+
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown, which occasionally aborts a finished rank

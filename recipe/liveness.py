@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 
 HEARTBEAT_S = 2.0
 WATCH_BEATS = 3  # a counter that did not move over this many beats belongs to a rank that stopped answering
@@ -96,3 +97,22 @@ def guarded(main) -> int:
             raise
         print(describe(e), file=sys.stderr, flush=True)
         return FAILED_EXIT_CODE
+
+
+def run_and_exit(main) -> None:
+    """A rank's entry point: `guarded(main)`, then end the process at once with its exit code (an exception:
+    its traceback and 1). Everything is written by then; interpreter teardown is skipped because destructors
+    of gloo/DeepSpeed background threads occasionally abort there ("terminate called without an active
+    exception", seen in CI in several per-rank scripts) and turn a finished rank into a failed one."""
+    try:
+        code = guarded(main)
+    except SystemExit as e:  # sys.exit("message") or sys.exit(n) inside main
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) or e.code is None else 1
+    except BaseException:  # noqa: BLE001 -- printed, then the exit code says it
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

@@ -344,10 +344,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = liveness.guarded(main)  # a failed or timed-out collective: one line naming the silent rank, exit 1
-    # Everything is written and the process group is gone; skip interpreter teardown, where destructors of
-    # DeepSpeed/gloo background threads occasionally abort ("terminate called without an active exception")
-    # and would turn a finished run into a failed one.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    liveness.run_and_exit(main)  # a failed collective: one line naming the silent rank; no interpreter teardown

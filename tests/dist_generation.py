@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from recipe import engine as eng
+from recipe import liveness
 from recipe.config import Config
 from recipe.data import left_pad
 from recipe.generation import GenerationError, build_generator, generate_on_every_rank
@@ -83,4 +84,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown, which occasionally aborts a finished rank

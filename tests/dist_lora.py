@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dist_update import BASE, run_case
 from recipe import engine as eng
+from recipe import liveness
 from recipe.config import Config
 from recipe.generation import build_generator
 from recipe.update import forward_logps
@@ -83,4 +84,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown, which occasionally aborts a finished rank

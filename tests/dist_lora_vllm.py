@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from dist_vllm import engine_greedy, gen_greedy, grpo_round, hf_greedy
 from recipe import engine as eng
+from recipe import liveness
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
 from recipe.generation import build_generator
@@ -142,4 +143,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown, which occasionally aborts a finished rank

@@ -9,6 +9,7 @@ import json
 import sys
 
 from recipe import engine as eng
+from recipe import liveness
 from recipe.config import Config
 from recipe.generation import build_generator
 
@@ -52,4 +53,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown, which occasionally aborts a finished rank

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from recipe import engine as eng
+from recipe import liveness
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
 from recipe.generation import Completions
@@ -134,4 +135,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown, which occasionally aborts a finished rank

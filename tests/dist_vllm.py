@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from recipe import engine as eng
+from recipe import liveness
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
 from recipe.generation import build_generator, finish
@@ -136,4 +137,4 @@ def gen_greedy(gen, prompts):
 
 
 if __name__ == "__main__":
-    main()
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown, which occasionally aborts a finished rank

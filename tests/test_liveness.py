@@ -1,7 +1,13 @@
 """recipe/liveness.py: which errors count as a failed collective (the end-to-end case, a SIGSTOPped rank, is in
-tests/test_launch.py; which of gloo's messages a run sees depends on where the other rank stopped)."""
+tests/test_launch.py; which of gloo's messages a run sees depends on where the other rank stopped), and the exit
+codes run_and_exit leaves."""
+import os
+import subprocess
+import sys
+
 import pytest
 
+from conftest import REPO
 from recipe.liveness import is_collective_failure
 
 GLOO_SEEN = [  # each raised by a real 2-rank run whose other rank stopped answering
@@ -20,3 +26,24 @@ def test_gloo_failures_are_collective_failures(text):
                                    KeyError("gloo")])
 def test_other_errors_are_not(error):
     assert not is_collective_failure(error)
+
+
+@pytest.mark.parametrize("body, code, err", [
+    ("print('done', end='')", 0, ""),              # a finished rank: its unflushed output kept, exit 0
+    ("return 3", 3, ""),                            # main's own exit code (recipe.train's preemption code)
+    ("raise ValueError('bad shard')", 1, "ValueError: bad shard"),  # a traceback and 1, never a silent 0
+    ("sys.exit('error: bad config')", 1, "error: bad config"),
+    ("sys.exit(4)", 4, ""),
+])
+def test_run_and_exit_keeps_the_exit_code_and_skips_teardown(tmp_path, body, code, err):
+    script = tmp_path / "rank.py"
+    script.write_text("import atexit, sys\nfrom recipe import liveness\n"
+                      "atexit.register(lambda: print('TEARDOWN RAN'))\n"
+                      f"def main():\n    {body}\n"
+                      "liveness.run_and_exit(main)\nprint('after run_and_exit')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == code, proc.stderr
+    assert err in proc.stderr
+    assert "TEARDOWN RAN" not in proc.stdout and "after run_and_exit" not in proc.stdout  # nothing after main
+    assert proc.stdout == ("done" if body.startswith("print") else "")
