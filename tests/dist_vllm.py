@@ -9,6 +9,7 @@ Usage: dist_vllm.py OUT.json TP  (TP 2: the two ranks share one tensor-parallel 
 """
 import json
 import sys
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -19,6 +20,7 @@ from recipe import liveness
 from recipe.buffer import RolloutBuffer
 from recipe.config import Config
 from recipe.generation import build_generator, finish
+from recipe.generation.vllm import cpu_shm_segments
 from recipe.update import forward_logps, train_on_rollout
 
 ROUNDS = 2
@@ -108,7 +110,11 @@ def main():
     if rank == 0:
         json.dump(report, open(out, "w"))
     dist.barrier()
+    segments = cpu_shm_segments()
     gen.close()  # last: vLLM's shutdown tears down the default process group
+    # what close left of this rank's shared memory (the process then ends without running destructors)
+    Path(f"{out}.shm{rank}").write_text(json.dumps({"made": segments,
+                                                    "left": [n for n in segments if (Path("/dev/shm") / n).exists()]}))
 
 
 def engine_greedy(gen, prompts):

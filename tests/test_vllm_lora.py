@@ -40,7 +40,8 @@ def expected_sync_bytes(mode: str, tiny_model_dir) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2], ids=["replica_per_rank", "tensor_parallel_2"])
 @pytest.mark.parametrize("mode", MODES)
-def test_vllm_after_lora_steps_equals_merged_transformers_and_base_never_moves(tmp_path, tiny_model_dir, mode, tp):
+def test_vllm_after_lora_steps_equals_merged_transformers_and_base_never_moves(tmp_path, tiny_model_dir, mode, tp,
+                                                                              one_cpu_tp_engine_at_a_time):
     out = tmp_path / "lora_vllm.json"
     torchrun(2, ["tests/dist_lora_vllm.py", str(out), str(tp), mode], timeout=900)
     r = json.loads(out.read_text())

@@ -245,5 +245,25 @@ class VLLMGenerator:
     def close(self) -> None:
         """Shut the engine down. Its shutdown tears down the default process group: call this last."""
         if self.llm is not None:
+            segments = cpu_shm_segments()
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+            for name in segments:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(Path("/dev/shm") / name)
+
+
+def cpu_shm_segments() -> list[str]:
+    """The shared-memory segments (files under /dev/shm) vLLM-CPU made for this rank's tensor-parallel groups.
+    Only a C++ destructor at process exit frees them, which the recipe's exit skips (liveness.run_and_exit);
+    left behind, their fixed names make the next tensor-parallel engine on the machine fail ("create shm in
+    SHMManager failed. errno: 17")."""
+    from vllm.distributed import parallel_state
+
+    names = []
+    for group in (ref() for ref in getattr(parallel_state, "_groups", {}).values()):
+        shm = getattr(getattr(group, "device_communicator", None), "dist_module", None)
+        if hasattr(shm, "group_name") and hasattr(shm, "communicator"):  # vLLM's _CPUSHMDistributed
+            # shm_open's name, as /dev/shm lists it (vLLM's own prefix, "//" here, is not part of it)
+            names.append(f"{shm.group_name}_{shm.communicator.rank}".lstrip("/"))
+    return names
