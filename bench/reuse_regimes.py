@@ -2,10 +2,10 @@
 
 A regime is a learning rate and a generation share (completion length, completions per step), plus reward and
 model width for the regimes added to test the default. In each regime every variant (fixed mu = 1, 2, 4, 8, mu = 4
-with a fixed KL target, and `num_iterations: auto`) trains for the same budget of training time
-(start-up excluded; process CPU seconds by default, so other jobs on the machine do not decide it), one rank,
-ZeRO-3, a tiny Qwen2 model. Variants rotate their order within each seed and `--jobs 2` runs two at once (one
-thread each), so load hits every variant alike.
+with a fixed KL target, `num_iterations: auto`, and auto8: auto with at most 8 passes) trains for the same budget
+of training time (start-up excluded; process CPU seconds by default, so other jobs on the machine do not decide
+it), one rank, ZeRO-3, a tiny Qwen2 model. Variants rotate their order within each seed and `--jobs 2` runs two at
+once (one thread each), so load hits every variant alike.
 
 Thresholds (per regime): a fraction f in {0.5, 0.8, 0.9} of the way from the median first-rollout reward
 to the best 4-rollout moving average reached by any run of that regime. Time to a threshold: the training time
@@ -16,12 +16,16 @@ with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's
 
     # the fixed-mu map (vowel_b16_lr3e-4: wall-clock budgets, before step_cpu_s)
     python bench/reuse_regimes.py --regimes vowel_b16_lr3e-4 --variants 1 4
-    # every other regime, auto next to fixed mu (CPU-second budgets)
-    python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 --variants 1 2 4 8 auto --keep
-    python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants 1 2 4 8 auto --budget_scale 2 --keep
-    python bench/reuse_regimes.py --regimes h128_short_lr3e-4 h128_long_lr6e-4 space_b16_lr1e-3 --variants 1 2 4 auto --keep
-    python bench/reuse_regimes.py --regimes mid_lr6e-4 --variants 1 2 4 8 auto --keep
-    python bench/reuse_regimes.py --regimes vowel_b8_lr3e-4 --variants 1 8 auto --keep
+    # every other regime: fixed mu and auto8 (auto with the former cap of 8 passes), CPU-second budgets
+    python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 --variants 1 2 4 8 auto8 --keep
+    python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants 1 2 4 8 auto8 --budget_scale 2 --keep
+    python bench/reuse_regimes.py --regimes h128_short_lr3e-4 h128_long_lr6e-4 space_b16_lr1e-3 --variants 1 2 4 auto8 --keep
+    python bench/reuse_regimes.py --regimes mid_lr6e-4 --variants 1 2 4 8 auto8 --keep
+    python bench/reuse_regimes.py --regimes vowel_b8_lr3e-4 --variants 1 4 8 auto8 --keep
+    # the default, num_iterations: auto (at most 4 passes), everywhere
+    python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants auto --budget_scale 2 --keep
+    python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 h128_short_lr3e-4 h128_long_lr6e-4 \
+        space_b16_lr1e-3 mid_lr6e-4 vowel_b8_lr3e-4 vowel_b16_lr3e-4 --variants auto --keep
 
 (`--keep` adds to the existing result file, replacing only the regime and variant pairs it runs; the JSON's
 `commands` lists the invocations its runs come from, in the order they ran.)
@@ -34,16 +38,14 @@ import os
 import statistics
 import subprocess
 import sys
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import (QUICKSTART, REPO, RESULTS, MetricsTail, machine, per_generation, rank_env, read_metrics,
                     save_json, smoothed, time_to)
+from reuse_report import FRACTIONS, SMOOTH, medians, plot, tables
 
-FRACTIONS = (0.5, 0.8, 0.9)
-SMOOTH = 4
 H64 = ["--model_name_or_path", "builtin:tiny-qwen2-h64", "--loss_type", "dapo"]
 TINY = [*H64, "--num_generations", "8", "--reward_funcs", json.dumps([{"func": "length", "kwargs": {"target_chars": 60}}])]
 # The regime TRL 1.16 was measured in (issue #8): 8 completions per prompt, 32 per optimizer step, 64 new
@@ -101,6 +103,8 @@ REGIMES.update({
                         "budget_s": 1000, "stop_at": 0.95,
                         "about": "generation-dominated, vowel share: 256 new tokens, G = 4, 8 completions/step, lr 3e-4"},
 })
+# the default's cap of 4 passes was read off the fixed mu = 4 and 8 columns, mid_lr6e-4's among them
+DESIGNED_ON.add("mid_lr6e-4")
 VARIANTS = {
     "1": ["--num_iterations", "1"],
     "2": ["--num_iterations", "2"],
@@ -319,48 +323,6 @@ def write(runs: list[dict], commands: list[str], clock: str, total_wall_s: float
               s.get("verdict", ""))
 
 
-def tables(summary: dict) -> str:
-    """bench/README.md's tables, one per regime, from the summary (`--tables`)."""
-    def cell(row: dict, f: str) -> str:
-        m = row[f]["median"]
-        if m is None:
-            return "-"
-        # a lower bound at or below the median could raise it: then the median is a bound too
-        bound = any(b and x is not None and x <= m for x, b in zip(row[f]["per_seed"], row[f]["per_seed_is_lower_bound"]))
-        return ("≥" if bound else "") + f"{m:.2f}"
-
-    def seeds(row: dict) -> str:
-        return ", ".join("-" if x is None else ("≥" if b else "") + f"{x:.2f}"
-                         for x, b in zip(row["0.8"]["per_seed"], row["0.8"]["per_seed_is_lower_bound"]))
-
-    out = []
-    for regime, r in summary.items():
-        unit = {"cpu_s": "CPU s", "time_s": "s"}[r["clock"]]
-        design = "; designed on" if r["designed_on"] else "; not used to design the rule"
-        out += [f"**{regime}** ({r['about']}; generation share at mu = 1: {r['generation_share_mu1']:.2f}; budget "
-                f"{r['budget_s']:g} {unit}; reward {r['first_reward']:.3g} -> best {r['best_reward']:.3g}{design})", "",
-                "| variant | to 50% | to 80% | to 90% | per seed, to 80% | passes/rollout | tokens clipped | "
-                "replay efficiency (80%) |", "|---|---|---|---|---|---|---|---|"]
-        for v, row in r["variants"].items():
-            e = row.get("replay_efficiency_0.8")
-            out.append(f"| {v} | {cell(row, '0.5')} | {cell(row, '0.8')} | {cell(row, '0.9')} | {seeds(row)} | "
-                       f"{row['passes_used_mean']:.2f} | {row['clip_ratio_region_mean']:.3f} | "
-                       f"{'' if e is None else f'{e:.2f}'} |")
-        if "verdict" in r:
-            v = r["verdict"]
-            out.append(f"\nauto to 80%: {v['auto'] or 0:.2f}x mu = 1, {v['auto_over_best'] or 0:.2f} of the best fixed "
-                       f"mu (mu = {v['best_fixed_mu']}, {v['best_fixed'] or 0:.2f}x): no later than mu = 1 "
-                       f"{'yes' if v['no_later_than_mu1'] else 'NO'}, within 10% of the best "
-                       f"{'yes' if v['within_10pct_of_best'] else 'NO'}")
-        out.append("")
-    return "\n".join(out)
-
-
-def medians(summary: dict) -> dict:
-    return {reg: {v: {f: row[f]["median"] for f in map(str, FRACTIONS)} for v, row in s["variants"].items()}
-            for reg, s in summary.items()}
-
-
 def runs_of(command: str) -> list[tuple[str, str]]:
     """The (regime, variant) pairs a stored command ran (older commands without --variants ran the defaults)."""
     words = command.split()
@@ -378,32 +340,6 @@ def report(r: dict) -> dict:
     print(f"{r['regime']} mu={r['variant']} seed={r['seed']}: {len(r['rows'])} rollouts, {r['steps']} steps, "
           f"last reward {r['rows'][-1]['reward']:.2f}", flush=True)
     return r
-
-
-def plot(regime: str, runs: list[dict], summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    variants = list(dict.fromkeys(r["variant"] for r in runs))
-    colors = dict(zip(variants, plt.cm.viridis([i / max(1, len(variants) - 1) for i in range(len(variants))])))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in runs:
-        label = f"mu={r['variant']}" if r["seed"] == runs[0]["seed"] else None
-        ax.plot([x[summary["clock"]] for x in r["rows"]], smoothed(r["rows"], SMOOTH), color=colors[r["variant"]],
-                label=label, lw=1.2 if r["variant"] in ("1", "auto") or "+" in r["variant"] else 0.7)
-    for f, t in summary["thresholds"].items():
-        ax.axhline(t, ls="--", lw=0.8, color="gray")
-    ax.set_xlabel({"cpu_s": "process CPU seconds of training", "time_s": "wall-clock training seconds"}[summary["clock"]]
-                  + " (start-up excluded)")
-    ax.set_ylabel(f"reward ({SMOOTH}-rollout moving average)")
-    title = textwrap.fill(f"{regime}: {summary['about']}", 100)
-    ax.set_title(f"{title}\ngeneration share at mu=1: {summary['generation_share_mu1']:.2f}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

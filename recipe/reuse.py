@@ -9,8 +9,8 @@ is exceeded, which skips the rollout's remaining passes.
 mu = 1 step, a replay pays when it is worth more than 1 - g of a fresh pass. Taking a replay's worth as
 1 - KL / KL_max, KL the drift it will run at and KL_max (`reuse_max_kl`) the drift at which a replay is worth
 nothing, gives: replay while KL_next < g * KL_max, at most `reuse_max_iterations` passes (default 4: the worth
-also falls with the number of passes over the same data, and passes 5-8 measured worth about nothing in 4 of
-the 5 regimes where plain mu = 8 ran, even at low drift). KL_next is extrapolated from the pass just done
+also falls with the number of passes over the same data: passes 5-8 measured worth about nothing in 6 of the 7
+regimes where plain mu = 8 ran next to mu = 4, even at low drift). KL_next is extrapolated from the pass just done
 (`next_pass_kl`). The worth reaches zero at a finite drift: however dear
 generation is, a replay never runs past KL_max (an earlier worth, 1 / (1 + KL / kappa), never reached zero and
 let generation-dominated runs replay to KL 5e-3, where passes 5-8 paid nothing).
