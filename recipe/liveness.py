@@ -106,10 +106,12 @@ def run_and_exit(main) -> None:
     exception", seen in CI in several per-rank scripts) and turn a finished rank into a failed one."""
     try:
         code = guarded(main)
-    except SystemExit as e:  # sys.exit("message") or sys.exit(n) inside main
-        if e.code is not None and not isinstance(e.code, int):
+    except SystemExit as e:  # sys.exit(n) or sys.exit("message") inside main
+        if e.code is None or isinstance(e.code, int):
+            code = e.code
+        else:
             print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) or e.code is None else 1
+            code = 1
     except BaseException:  # noqa: BLE001 -- printed, then the exit code says it
         traceback.print_exc()
         code = 1

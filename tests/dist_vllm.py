@@ -113,8 +113,8 @@ def main():
     segments = cpu_shm_segments()
     gen.close()  # last: vLLM's shutdown tears down the default process group
     # what close left of this rank's shared memory (the process then ends without running destructors)
-    Path(f"{out}.shm{rank}").write_text(json.dumps({"made": segments,
-                                                    "left": [n for n in segments if (Path("/dev/shm") / n).exists()]}))
+    Path(f"{out}.shm{rank}").write_text(json.dumps({"made": [str(p) for p in segments],
+                                                    "left": [str(p) for p in segments if p.exists()]}))
 
 
 def engine_greedy(gen, prompts):

@@ -248,13 +248,12 @@ class VLLMGenerator:
             segments = cpu_shm_segments()
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
-            for name in segments:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(Path("/dev/shm") / name)
+            for segment in segments:
+                segment.unlink(missing_ok=True)
 
 
-def cpu_shm_segments() -> list[str]:
-    """The shared-memory segments (files under /dev/shm) vLLM-CPU made for this rank's tensor-parallel groups.
+def cpu_shm_segments() -> list[Path]:
+    """The shared-memory segments (their files in /dev/shm) vLLM-CPU made for this rank's tensor-parallel groups.
     Only a C++ destructor at process exit frees them, which the recipe's exit skips (liveness.run_and_exit);
     left behind, their fixed names make the next tensor-parallel engine on the machine fail ("create shm in
     SHMManager failed. errno: 17")."""
@@ -265,5 +264,5 @@ def cpu_shm_segments() -> list[str]:
         shm = getattr(getattr(group, "device_communicator", None), "dist_module", None)
         if hasattr(shm, "group_name") and hasattr(shm, "communicator"):  # vLLM's _CPUSHMDistributed
             # shm_open's name, as /dev/shm lists it (vLLM's own prefix, "//" here, is not part of it)
-            names.append(f"{shm.group_name}_{shm.communicator.rank}".lstrip("/"))
+            names.append(Path("/dev/shm") / f"{shm.group_name}_{shm.communicator.rank}".lstrip("/"))
     return names
