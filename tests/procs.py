@@ -35,16 +35,20 @@ def alive(pid: int) -> bool:
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the recipe.train processes below a launcher."""
-    found = {}
-    for pid in descendants(launcher):
+    """{rank: pid} of the recipe.train processes below a launcher. A rank's own child (a fork not yet exec'd
+    shows the rank's command line and environment) is not the rank: stopping it instead once left the real
+    rank running and the stopped child holding the launcher's pipes."""
+    found, ranks = {}, set()
+    for pid in descendants(launcher):  # parents before their children
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if b"recipe.train" in cmd and b"RANK" in env:
+        if b"recipe.train" in cmd and b"RANK" in env and parent not in ranks:
             found[int(env[b"RANK"])] = pid
+            ranks.add(pid)
     return found
 
 
