@@ -75,7 +75,8 @@ def time_to(rows: list[dict], threshold: float, k: int, clock: str = "time_s") -
 
 def per_generation(records: list[dict]) -> list[dict]:
     """One row per rollout: its reward and the wall time (sum of step times) at which that reward was known; with
-    step_cpu_s in the records also cpu_s, the process CPU time by then (the first step's CPU split as its wall)."""
+    step_cpu_s in the records also cpu_s, the process CPU time by then (the first step's CPU split as its wall);
+    with entropy, the policy's mean token entropy on the fresh rollout (its first step: on-policy)."""
     rows, elapsed, cpu = [], 0.0, 0.0
     for r in records:
         if r["iteration"] == 0 and (not rows or rows[-1]["generation"] != r["generation"]):
@@ -84,6 +85,8 @@ def per_generation(records: list[dict]) -> list[dict]:
                          "step": r["step"] - 1})
             if "step_cpu_s" in r:
                 rows[-1]["cpu_s"] = cpu + r["step_cpu_s"] * rollout_s / r["step_time_s"]
+            if "entropy" in r:  # a policy collapsing onto one completion shows here before the reward stalls
+                rows[-1]["entropy"] = r["entropy"]
         elapsed += r["step_time_s"]
         cpu += r.get("step_cpu_s", 0.0)
     return rows

@@ -114,6 +114,8 @@ VARIANTS = {
     "4+kl2e-3": ["--num_iterations", "4", "--reuse_target_kl", "2e-3"],
     "auto": ["--num_iterations", "auto"],  # mu decided per rollout, at most 4 (recipe/reuse.py)
     "auto8": ["--num_iterations", "auto", "--reuse_max_iterations", "8"],  # the default before it capped at 4
+    # a candidate: KL_max was set while the cap was 8, to stop passes 5-8; with the cap at 4 it cuts passes 2-4
+    "auto_maxkl3.6e-3": ["--num_iterations", "auto", "--reuse_max_kl", "3.6e-3"],
 }
 RENAMED = {"4+kl": "4+kl2e-3"}  # variant names of earlier result files
 CLOCKS = {"cpu_s": "step_cpu_s", "time_s": "step_time_s"}  # a row's clock: the metrics key it sums
@@ -207,6 +209,9 @@ def summarize(runs: list[dict], clock: str = "cpu_s") -> dict:
                 mu, s08 = int(variant), row["0.8"]["median"]
                 row["perfect_reuse_bound"] = mu / (g + mu * (1 - g))
                 row["replay_efficiency_0.8"] = None if not s08 else (s08 * (g + mu * (1 - g)) - 1) / (mu - 1)
+            # clock-free: rollouts from the 50% to the 80% threshold (a stall between them shows here on any machine)
+            row["rollouts_0.5_to_0.8"] = [rollouts_between(vr[s]["rows"], thresholds["0.5"], thresholds["0.8"])
+                                          for s in seeds if s in vr]
             row["passes_used_mean"] = statistics.mean(r["passes_used_mean"] for r in vr.values())
             row["clip_ratio_region_mean"] = statistics.mean(r["clip_ratio_region_mean"] for r in vr.values())
             shares = [r["frozen_generation_share"] for r in vr.values() if r.get("frozen_generation_share")]
@@ -220,6 +225,12 @@ def summarize(runs: list[dict], clock: str = "cpu_s") -> dict:
         if "auto" in table:
             out[regime]["verdict"] = verdict(table)
     return out
+
+
+def rollouts_between(rows: list[dict], low: float, high: float) -> int | None:
+    """Rollouts from the moving average first reaching `low` to it first reaching `high` (None: never both)."""
+    first = [next((i for i, s in enumerate(smoothed(rows, SMOOTH)) if s >= t), None) for t in (low, high)]
+    return None if None in first else first[1] - first[0]
 
 
 def verdict(table: dict, f: str = "0.8") -> dict:

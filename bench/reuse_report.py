@@ -24,6 +24,9 @@ def tables(summary: dict) -> str:
         return ", ".join("-" if x is None else ("≥" if b else "") + f"{x:.2f}"
                          for x, b in zip(row["0.8"]["per_seed"], row["0.8"]["per_seed_is_lower_bound"]))
 
+    def stall(row: dict) -> str:
+        return ", ".join("-" if n is None else str(n) for n in row.get("rollouts_0.5_to_0.8", []))
+
     out = []
     for regime, r in summary.items():
         unit = {"cpu_s": "CPU s", "time_s": "s"}[r["clock"]]
@@ -31,12 +34,12 @@ def tables(summary: dict) -> str:
         out += [f"**{regime}** ({r['about']}; generation share at mu = 1: {r['generation_share_mu1']:.2f}; budget "
                 f"{r['budget_s']:g} {unit}; reward {r['first_reward']:.3g} -> best {r['best_reward']:.3g}{design})", "",
                 "| variant | to 50% | to 80% | to 90% | per seed, to 80% | passes/rollout | tokens clipped | "
-                "replay efficiency (80%) |", "|---|---|---|---|---|---|---|---|"]
+                "replay efficiency (80%) | rollouts 50% -> 80%, per seed |", "|---|---|---|---|---|---|---|---|---|"]
         for v, row in r["variants"].items():
             e = row.get("replay_efficiency_0.8")
             out.append(f"| {v} | {cell(row, '0.5')} | {cell(row, '0.8')} | {cell(row, '0.9')} | {seeds(row)} | "
                        f"{row['passes_used_mean']:.2f} | {row['clip_ratio_region_mean']:.3f} | "
-                       f"{'' if e is None else f'{e:.2f}'} |")
+                       f"{'' if e is None else f'{e:.2f}'} | {stall(row)} |")
         if "verdict" in r:
             v = r["verdict"]
             out.append(f"\nauto to 80%: {v['auto'] or 0:.2f}x mu = 1, {v['auto_over_best'] or 0:.2f} of the best fixed "

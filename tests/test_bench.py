@@ -90,6 +90,16 @@ def test_vowel_share_reward_loads_as_a_file_spec():
     assert fn.fn(["p"] * 4, ["aeb", "", "xyz", "Oui!"]) == [2 / 3, 0.0, 0.0, 2 / 4]  # capitals are not counted
 
 
+def test_rollouts_between_thresholds_on_the_moving_average():
+    sys.path.insert(0, str(REPO / "bench"))
+    from reuse_regimes import SMOOTH, rollouts_between
+
+    assert SMOOTH == 4
+    rows = [{"reward": x} for x in [0.0] * 4 + [1.0] * 4]  # 4-rollout averages: 0 0 0 0 .25 .5 .75 1
+    assert rollouts_between(rows, 0.5, 0.8) == 7 - 5
+    assert rollouts_between(rows, 0.5, 1.5) is None and rollouts_between(rows[:5], 0.5, 0.8) is None
+
+
 @pytest.mark.slow
 def test_reuse_regimes_smoke(tmp_path):
     bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "auto", "--seeds", "0",
@@ -104,6 +114,8 @@ def test_reuse_regimes_smoke(tmp_path):
     for run in r["runs"]:  # each run trained for its whole CPU budget (start-up excluded) and was then stopped
         assert 45 * 0.08 <= run["trained"]["cpu_s"] and run["rows"][-1]["cpu_s"] <= 45 * 0.08 + 5
         assert all(a["cpu_s"] < b["cpu_s"] for a, b in zip(run["rows"], run["rows"][1:]))
+        assert all(0 < row["entropy"] < 6.3 for row in run["rows"])  # nats per token, at most ln 512 (tiny vocabulary)
+    assert [len(row["rollouts_0.5_to_0.8"]) for row in reg["variants"].values()] == [1, 1]
     assert_plot(tmp_path / "reuse_trl_lr1e-3.png", 770, 495)
     # --keep adds a variant to a stored regime: the stored runs (mu = 1 the baseline) stay as they were
     bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "2", "--seeds", "0",
