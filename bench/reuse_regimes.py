@@ -229,7 +229,7 @@ def summarize(runs: list[dict], clock: str = "cpu_s") -> dict:
 
 def rollouts_between(rows: list[dict], low: float, high: float) -> int | None:
     """Rollouts from the moving average first reaching `low` to it first reaching `high` (None: never both)."""
-    first = [next((i for i, s in enumerate(smoothed(rows, SMOOTH)) if s >= t), None) for t in (low, high)]
+    first = [time_to(rows, t, SMOOTH, "generation") for t in (low, high)]  # rollouts are numbered 0, 1, ...
     return None if None in first else first[1] - first[0]
 
 

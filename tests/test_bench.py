@@ -95,7 +95,7 @@ def test_rollouts_between_thresholds_on_the_moving_average():
     from reuse_regimes import SMOOTH, rollouts_between
 
     assert SMOOTH == 4
-    rows = [{"reward": x} for x in [0.0] * 4 + [1.0] * 4]  # 4-rollout averages: 0 0 0 0 .25 .5 .75 1
+    rows = [{"reward": x, "generation": i} for i, x in enumerate([0.0] * 4 + [1.0] * 4)]  # averages 0 0 0 0 .25 .5 .75 1
     assert rollouts_between(rows, 0.5, 0.8) == 7 - 5
     assert rollouts_between(rows, 0.5, 1.5) is None and rollouts_between(rows[:5], 0.5, 0.8) is None
 
