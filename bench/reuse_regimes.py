@@ -116,6 +116,8 @@ VARIANTS = {
     "auto8": ["--num_iterations", "auto", "--reuse_max_iterations", "8"],  # the default before it capped at 4
     # a candidate: KL_max was set while the cap was 8, to stop passes 5-8; with the cap at 4 it cuts passes 2-4
     "auto_maxkl3.6e-3": ["--num_iterations", "auto", "--reuse_max_kl", "3.6e-3"],
+    # a candidate: the drift rate averaged over recent passes (about 10), so strong-signal rollouts keep their replays
+    "auto_smooth0.1": ["--num_iterations", "auto", "--reuse_drift_smoothing", "0.1"],
 }
 RENAMED = {"4+kl": "4+kl2e-3"}  # variant names of earlier result files
 CLOCKS = {"cpu_s": "step_cpu_s", "time_s": "step_time_s"}  # a row's clock: the metrics key it sums

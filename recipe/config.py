@@ -110,6 +110,8 @@ class Config:
     reuse_max_iterations: int = opt(4, "auto: the most passes a rollout gets (passes 5-8 measured worth ~0)")
     reuse_max_kl: float = opt(1.8e-3, "auto: the drift at which a replay is worth nothing; replay while the next "
                                       "pass's KL < g * this")
+    reuse_drift_smoothing: float = opt(1.0, "auto: weight of the pass just done in the drift rate a decision uses "
+                                       "(1 = that pass alone; < 1 = a moving average over recent passes)")
     reuse_generation_share: float | None = opt(None, "auto: pin g, generation's share of a step; null = measure it")
     reuse_measure_rollouts: int = opt(3, "auto: rollouts after the first whose timings give the frozen cost ratio")
     # --- batch shape (per rank) --------------------------------------------------------
@@ -241,6 +243,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          "give a fixed num_iterations to set it by hand")
     need(cfg.reuse_max_iterations >= 1, f"reuse_max_iterations: must be >= 1, got {cfg.reuse_max_iterations}")
     need(cfg.reuse_max_kl > 0, f"reuse_max_kl: must be > 0, got {cfg.reuse_max_kl}")
+    need(0 < cfg.reuse_drift_smoothing <= 1,
+         f"reuse_drift_smoothing: must be in (0, 1], got {cfg.reuse_drift_smoothing}")
     need(cfg.reuse_generation_share is None or 0 < cfg.reuse_generation_share < 1,
          f"reuse_generation_share: must be in (0, 1) or null, got {cfg.reuse_generation_share}")
     need(cfg.reuse_measure_rollouts >= 1, f"reuse_measure_rollouts: must be >= 1, got {cfg.reuse_measure_rollouts}")

@@ -11,7 +11,9 @@ mu = 1 step, a replay pays when it is worth more than 1 - g of a fresh pass. Tak
 nothing, gives: replay while KL_next < g * KL_max, at most `reuse_max_iterations` passes (default 4: the worth
 also falls with the number of passes over the same data: passes 5-8 measured worth about nothing in 6 of the 7
 regimes where plain mu = 8 ran next to mu = 4, even at low drift). KL_next is extrapolated from the pass just done
-(`next_pass_kl`). The worth reaches zero at a finite drift: however dear
+(`next_pass_kl`); with `reuse_drift_smoothing` < 1 the drift rate it extrapolates (KL per squared update) is a
+moving average over recent passes, not the pass's own, so a rollout with a strong signal, which drifts further
+per update, is not singled out for fewer replays (a screen, bench/README.md). The worth reaches zero at a finite drift: however dear
 generation is, a replay never runs past KL_max (an earlier worth, 1 / (1 + KL / kappa), never reached zero and
 let generation-dominated runs replay to KL 5e-3, where passes 5-8 paid nothing).
 
@@ -35,6 +37,7 @@ class ReuseController:
     def __init__(self, cfg: Config):
         self.auto, self.max_clip = cfg.auto_reuse, cfg.reuse_max_clip_fraction
         self.fixed_kl, self.max_kl = cfg.reuse_target_kl, cfg.reuse_max_kl
+        self.smoothing, self.rate = cfg.reuse_drift_smoothing, None  # the moving drift rate (None: none measured)
         self.measure, self.steps_per_pass = cfg.reuse_measure_rollouts, cfg.optimizer_steps_per_pass
         pinned = cfg.reuse_generation_share
         self.pinned_odds = None if pinned is None else pinned / (1.0 - pinned)
@@ -97,9 +100,19 @@ class ReuseController:
         elif self.auto and self.pinned_odds is None and self.cost_ratio is None and rollout > self.measure:
             self.cost_ratio = self.measured_cost_ratio()
         if self.auto:  # the drift the next pass would run at
-            kl = next_pass_kl(kl, pass_index, self.steps_per_pass)
+            kl = self.next_kl(kl, pass_index)
         target = self.target_kl
         return (target is not None and kl > target) or (self.max_clip is not None and clip > self.max_clip)
+
+    def next_kl(self, kl: float, pass_index: int) -> float:
+        """The next pass's KL: the drift rate of this pass, blended into the moving rate at weight
+        `reuse_drift_smoothing` (1: this pass's alone, as `next_pass_kl`), times the next pass's squared updates."""
+        rate = drift_rate(kl, pass_index, self.steps_per_pass)
+        if rate is None:  # an on-policy pass says nothing about drift: its replay is taken
+            return 0.0
+        a = self.smoothing
+        self.rate = rate if self.rate is None or a == 1.0 else (1.0 - a) * self.rate + a * rate
+        return self.rate * squared_updates(pass_index + 1, self.steps_per_pass)
 
     def measured_cost_ratio(self) -> float:
         """a / b from rollouts 1..M, seconds summed over ranks (one all-reduce, so every rank freezes the same
@@ -120,7 +133,7 @@ class ReuseController:
 
     def state_dict(self) -> dict:
         return {"kl_sum": self.kl_sum, "clip_sum": self.clip_sum, "tokens": self.tokens, "size": list(self.size),
-                "window": list(self.window), "cost_ratio": self.cost_ratio}
+                "window": list(self.window), "cost_ratio": self.cost_ratio, "drift_rate": self.rate}
 
     def load_state_dict(self, state: dict) -> None:
         self.kl_sum, self.clip_sum, self.tokens = state["kl_sum"], state["clip_sum"], state["tokens"]
@@ -128,12 +141,23 @@ class ReuseController:
         self.size = tuple(state.get("size", self.size))
         self.window = list(state.get("window", self.window))
         self.cost_ratio = state.get("cost_ratio", self.cost_ratio)
+        self.rate = state.get("drift_rate", self.rate)
+
+
+def squared_updates(pass_index: int, steps: int) -> int:
+    """The sum over a pass's steps of the squared number of updates made before each since sampling."""
+    return sum((pass_index * steps + t) ** 2 for t in range(steps))
+
+
+def drift_rate(kl: float, pass_index: int, steps: int) -> float | None:
+    """KL per squared update: KL grows like the square of the updates made since sampling (measured growth per
+    pass on the tiny model: 5-6x, 2.6-3.2x, 2x, 1.5-1.8x from the second pass on; the square gives 4x, 2.25x,
+    1.8x, 1.6x). None for a pass run on-policy (a rollout's first pass with one step: KL 0)."""
+    now = squared_updates(pass_index, steps)
+    return None if now == 0 else kl / now
 
 
 def next_pass_kl(kl: float, pass_index: int, steps: int) -> float:
-    """The next pass's mean KL from this one's, KL growing like the square of the updates made since sampling
-    (measured growth per pass on the tiny model: 5-6x, 2.6-3.2x, 2x, 1.5-1.8x from the second pass on; the square
-    gives 4x, 2.25x, 1.8x, 1.6x). The first step of a rollout is on-policy (KL 0): its replay is always taken."""
-    updates = [pass_index * steps + t for t in range(steps)]  # updates before each step of this pass
-    now = sum(u * u for u in updates)
-    return 0.0 if now == 0 else kl * sum((u + steps) ** 2 for u in updates) / now
+    """The next pass's mean KL from this one's alone (0 after an on-policy pass: its replay is always taken)."""
+    rate = drift_rate(kl, pass_index, steps)
+    return 0.0 if rate is None else rate * squared_updates(pass_index + 1, steps)

@@ -77,6 +77,30 @@ def test_auto_replays_while_the_next_pass_drift_is_below_the_target_set_by_g():
     assert unknown.target_kl == Config().reuse_max_kl / 2  # before g is known: g = 1/2
 
 
+def test_smoothed_drift_rate_keeps_a_strong_rollouts_replays_and_follows_a_lasting_change():
+    # target 4e-3; after pass 1 a replay is taken while 4 x rate < 4e-3: rate < 1e-3 (pass 1 saw one update)
+    cfg = dict(num_iterations="auto", reuse_generation_share=0.8, reuse_max_kl=5e-3)
+    alone, smooth = ReuseController(Config(**cfg)), ReuseController(Config(**cfg, reuse_drift_smoothing=0.1))
+    for ctl in (alone, smooth):
+        for rollout in range(20):  # a run drifting at rate 4e-4 per squared update
+            assert not ctl.step_done(step(rollout, kl=4e-4, it=1), last_in_pass=True)
+    assert smooth.rate == pytest.approx(4e-4)
+    # one rollout drifts 3x as far (a strong signal): alone, its next pass (~4.8e-3) is cut; smoothed, the rate
+    # is 0.9 x 4e-4 + 0.1 x 1.2e-3 = 4.8e-4 and it keeps its replay
+    assert alone.step_done(step(20, kl=1.2e-3, it=1), last_in_pass=True)
+    assert not smooth.step_done(step(20, kl=1.2e-3, it=1), last_in_pass=True)
+    assert smooth.rate == pytest.approx(4.8e-4)
+    for rollout in range(21, 40):  # a lasting change of regime moves the average: replays stop within ~15 passes
+        cut = smooth.step_done(step(rollout, kl=1.2e-3, it=1), last_in_pass=True)
+    assert cut and smooth.rate > 1e-3
+    # an on-policy pass carries no drift and leaves the rate alone; the rate is checkpointed
+    rate = smooth.rate
+    assert not smooth.step_done(step(40, kl=0.0, it=0), last_in_pass=True) and smooth.rate == rate
+    again = ReuseController(Config(**cfg, reuse_drift_smoothing=0.1))
+    again.load_state_dict(smooth.state_dict())
+    assert again.rate == rate
+
+
 def test_auto_prices_each_rollout_with_the_cost_ratio_measured_after_the_warmup(world_of_one):
     ctl = ReuseController(Config(num_iterations="auto", reuse_measure_rollouts=2, reuse_max_kl=6e-3))
     for r, gen, train_per_pass, passes in [(0, 50.0, 9.0, 1), (1, 3.0, 1.0, 3), (2, 5.0, 1.0, 1)]:
@@ -100,6 +124,7 @@ def test_auto_prices_each_rollout_with_the_cost_ratio_measured_after_the_warmup(
     (["--reuse_target_kl", "1e-3"], "reuse_target_kl: num_iterations: auto sets the KL target"),
     (["--reuse_max_iterations", "0"], "reuse_max_iterations: must be >= 1"),
     (["--reuse_max_kl", "0"], "reuse_max_kl: must be > 0"),
+    (["--reuse_drift_smoothing", "0"], "reuse_drift_smoothing: must be in (0, 1]"),
     (["--reuse_generation_share", "1"], "reuse_generation_share: must be in (0, 1) or null"),
     (["--reuse_measure_rollouts", "0"], "reuse_measure_rollouts: must be >= 1"),
 ])
@@ -139,8 +164,9 @@ def test_run_skips_remaining_passes_and_resumes_exactly(tmp_path):
 def test_auto_freezes_the_same_g_on_every_rank_and_a_resume_repeats_every_decision(tmp_path):
     # 2 ranks with their own clocks: the cost ratio from rollout 1 (all-reduced), frozen when rollout 2's first pass
     # ends; from then on each rollout's g follows from its size.
+    # (with a moving drift rate, which the checkpoint must carry too)
     out, auto = tmp_path / "a", ["--num_iterations", "auto", "--reuse_measure_rollouts", "1", "--max_steps", "10",
-                                 "--save_steps", "2", "--save_total_limit", "0"]
+                                 "--save_steps", "2", "--save_total_limit", "0", "--reuse_drift_smoothing", "0.5"]
     torchrun(2, [*RUN, *auto, "--output_dir", str(out)])
     recs = read_jsonl(out / "metrics.jsonl")
     assert recs[1]["iteration"] == 1  # a pass on-policy (KL 0) is always worth a replay
@@ -152,9 +178,11 @@ def test_auto_freezes_the_same_g_on_every_rank_and_a_resume_repeats_every_decisi
     for ckpt in saved:  # both ranks hold the same decisions, the same frozen cost ratio and where they are
         states = [safe_load(ckpt / f"loop_rank{r}.pt") for r in (0, 1)]
         assert states[0]["reuse"]["cost_ratio"] == states[1]["reuse"]["cost_ratio"]
+        assert states[0]["reuse"]["drift_rate"] == states[1]["reuse"]["drift_rate"]
         assert (states[0]["position"], states[0]["rollout"]) == (states[1]["position"], states[1]["rollout"])
     # Resume from the first checkpoint holding the frozen cost ratio: every later decision and number repeats.
     ckpt = next(c for c in saved if safe_load(c / "loop_rank0.pt")["reuse"]["cost_ratio"] is not None)
+    assert safe_load(ckpt / "loop_rank0.pt")["reuse"]["drift_rate"] > 0
     resumed = tmp_path / "b"
     shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
     shutil.copy(out / "metrics.jsonl", resumed / "metrics.jsonl")
