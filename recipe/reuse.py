@@ -11,11 +11,11 @@ mu = 1 step, a replay pays when it is worth more than 1 - g of a fresh pass. Tak
 nothing, gives: replay while KL_next < g * KL_max, at most `reuse_max_iterations` passes (default 4: the worth
 also falls with the number of passes over the same data: passes 5-8 measured worth about nothing in 6 of the 7
 regimes where plain mu = 8 ran next to mu = 4, even at low drift). KL_next is extrapolated from the pass just done
-(`next_pass_kl`); with `reuse_drift_smoothing` < 1 the drift rate it extrapolates (KL per squared update) is a
-moving average over recent passes, not the pass's own, so a rollout with a strong signal, which drifts further
-per update, is not singled out for fewer replays (a screen, bench/README.md). The worth reaches zero at a finite drift: however dear
-generation is, a replay never runs past KL_max (an earlier worth, 1 / (1 + KL / kappa), never reached zero and
-let generation-dominated runs replay to KL 5e-3, where passes 5-8 paid nothing).
+(`drift_rate`); with `reuse_drift_smoothing` < 1 the rate is a moving average over recent passes instead, so a
+strong-signal rollout, which drifts further per update, is not singled out for fewer replays (screened, not
+adopted: bench/README.md). The worth reaches zero at a finite drift: however dear generation is, a replay never
+runs past KL_max (an earlier worth, 1 / (1 + KL / kappa), never reached zero and let generation-dominated runs
+replay to KL 5e-3, where passes 5-8 paid nothing).
 
 g / (1 - g) = T_gen / T_train is priced per rollout from its own size: T_gen = a * decoding steps, T_train =
 b * tokens trained per pass, so g follows the rollout as completions grow or shrink. The clock gives only the
@@ -106,7 +106,7 @@ class ReuseController:
 
     def next_kl(self, kl: float, pass_index: int) -> float:
         """The next pass's KL: the drift rate of this pass, blended into the moving rate at weight
-        `reuse_drift_smoothing` (1: this pass's alone, as `next_pass_kl`), times the next pass's squared updates."""
+        `reuse_drift_smoothing` (1: this pass's alone), times the next pass's squared updates."""
         rate = drift_rate(kl, pass_index, self.steps_per_pass)
         if rate is None:  # an on-policy pass says nothing about drift: its replay is taken
             return 0.0
@@ -156,8 +156,3 @@ def drift_rate(kl: float, pass_index: int, steps: int) -> float | None:
     now = squared_updates(pass_index, steps)
     return None if now == 0 else kl / now
 
-
-def next_pass_kl(kl: float, pass_index: int, steps: int) -> float:
-    """The next pass's mean KL from this one's alone (0 after an on-policy pass: its replay is always taken)."""
-    rate = drift_rate(kl, pass_index, steps)
-    return 0.0 if rate is None else rate * squared_updates(pass_index + 1, steps)

@@ -12,7 +12,7 @@ from recipe.checkpoint import safe_load
 from recipe.config import Config
 from recipe.launch import rank_env
 from recipe.metrics import read_jsonl
-from recipe.reuse import ReuseController, next_pass_kl
+from recipe.reuse import ReuseController, drift_rate, squared_updates
 
 RUN = ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "6",
        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--max_completion_length", "16",
@@ -67,7 +67,7 @@ def test_auto_replays_while_the_next_pass_drift_is_below_the_target_set_by_g():
     assert not ctl.step_done(step(0, kl=1.7e-3, it=2), last_in_pass=True)  # next ~3.8e-3
     assert ctl.step_done(step(0, kl=1.8e-3, it=2), last_in_pass=True)  # next ~4.05e-3
     # two steps per pass: pass 0 saw 0 and 1 updates (KL ~ 0 + 1), pass 1 will see 2 and 3 (4 + 9)
-    assert next_pass_kl(1e-4, 0, 2) == pytest.approx(13e-4) and next_pass_kl(0.0, 0, 1) == 0.0
+    assert drift_rate(1e-4, 0, 2) * squared_updates(1, 2) == pytest.approx(13e-4) and drift_rate(0.0, 0, 1) is None
     low = Config(num_iterations="auto", reuse_generation_share=0.2, reuse_max_kl=5e-3)
     assert ReuseController(low).target_kl == pytest.approx(1e-3)
     # however dear generation is, a replay never runs past KL_max: its worth is zero there
