@@ -110,8 +110,8 @@ class ReuseController:
         rate = drift_rate(kl, pass_index, self.steps_per_pass)
         if rate is None:  # an on-policy pass says nothing about drift: its replay is taken
             return 0.0
-        a = self.smoothing
-        self.rate = rate if self.rate is None or a == 1.0 else (1.0 - a) * self.rate + a * rate
+        a = self.smoothing  # at 1 the blend is exactly this pass's rate (0 x old + rate)
+        self.rate = rate if self.rate is None else (1.0 - a) * self.rate + a * rate
         return self.rate * squared_updates(pass_index + 1, self.steps_per_pass)
 
     def measured_cost_ratio(self) -> float:
