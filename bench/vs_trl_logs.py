@@ -84,6 +84,12 @@ def median_ratio(pairs: list[tuple[float, float]]) -> float:
     return statistics.median(a / b for a, b in pairs)
 
 
+def median_or_none(values) -> float | None:
+    """The median of the values that exist; None when none does (a side scored no rollout within the budget)."""
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
 def summarize(runs: list[dict], mus: list[int]) -> dict:
     """Per mu: medians of each side and the median of the paired ratios (ours / TRL, adjacent runs)."""
     out: dict = {"by_mu": {}}
@@ -99,11 +105,14 @@ def summarize(runs: list[dict], mus: list[int]) -> dict:
             entry[key] = {"ours": statistics.median(a for a, _ in pairs), "trl": statistics.median(b for _, b in pairs),
                           "ratio": median_ratio(pairs)}
         base = statistics.fmean([r["rollout_rewards"][0] for r in (*ours.values(), *trl.values())])
+        # A short run can end before the other side scored its first rollout (a budget under TRL's first step):
+        # such a pair has no ratio, and a summary of only such pairs says None rather than failing.
         rew = [(ours[i]["reward_at_budget"], trl[i]["reward_at_budget"]) for i in reps]
+        both = [(a, b) for a, b in rew if a is not None and b is not None]
         entry["reward_at_budget"] = {
             "budget_s": statistics.median(ours[i]["budget_s"] for i in reps),
-            "ours": statistics.median(a for a, _ in rew), "trl": statistics.median(b for _, b in rew),
-            "ratio": median_ratio(rew), "difference": statistics.median(a - b for a, b in rew),
+            "ours": median_or_none(a for a, _ in rew), "trl": median_or_none(b for _, b in rew),
+            "ratio": median_or_none(a / b for a, b in both), "difference": median_or_none(a - b for a, b in both),
             "first_rollout_reward": base}
         # Progress per rollout, whatever the clock: the last rollouts of whole runs (same rollout count on both).
         last = [(statistics.fmean(ours[i]["rollout_rewards"][-REWARD_WINDOW:]),
@@ -156,6 +165,10 @@ def plot(runs: list[dict], summary: dict, mus: list[int], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def num(x: float | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
 def markdown_table(summary: dict) -> str:
     """The README table: medians per mu, ours / TRL."""
     rows = ["| mu | s/step ours | s/step TRL | ratio | s/rollout ours | s/rollout TRL | ratio | generate s ours | "
@@ -165,7 +178,7 @@ def markdown_table(summary: dict) -> str:
         s, r, g, w = e["sec_per_step"], e["sec_per_rollout"], e["generate_s_median"], e["reward_at_budget"]
         rows.append(f"| {mu} | {s['ours']:.2f} | {s['trl']:.2f} | {s['ratio']:.2f} | {r['ours']:.2f} | {r['trl']:.2f} | "
                     f"{r['ratio']:.2f} | {g['ours']:.2f} | {g['trl']:.2f} | {g['ratio']:.2f} | {w['budget_s']:.0f} | "
-                    f"{w['ours']:.2f} | {w['trl']:.2f} | {w['ratio']:.2f} | {w['difference']:+.2f} |")
+                    f"{num(w['ours'])} | {num(w['trl'])} | {num(w['ratio'])} | {num(w['difference'], '+.2f')} |")
     rows.append(f"\nstep_time_ratio (ours / TRL, median over all pairs): {summary['step_time_ratio']:.2f}; "
                 f"rollout_time_ratio {summary['rollout_time_ratio']:.2f}; generate_time_ratio "
                 f"{summary['generate_time_ratio']:.2f}")

@@ -137,3 +137,16 @@ def test_read_trl_combines_ranks_and_functions(tmp_path):
     assert got["rollout_rewards"] == pytest.approx([-15.0 + 1.0, -7.0 + 2.0])
     assert got["generations"] == 2 and got["optimizer_steps"] == 4 and got["trainer_global_step"] == 4
     assert got["completions_per_generation"] == [32] and got["generate_s"] == [0.5, 0.4]
+
+
+def test_summary_without_a_scored_rollout_on_one_side_says_none():
+    """A short run (CI's 2-step smoke) can end before TRL's first step does: no reward within the budget there."""
+    def run(impl, at_budget):
+        return {"impl": impl, "mu": 1, "rep": 0, "sec_per_step": 2.0, "sec_per_rollout": 2.0, "generate_s_median": 1.0,
+                "rollout_rewards": [-10.0, -9.0], "budget_s": 3.0, "reward_at_budget": at_budget}
+
+    summary = logs.summarize([run("ours", -9.5), run("trl", None)], [1])
+    w = summary["by_mu"]["1"]["reward_at_budget"]
+    assert w["ours"] == -9.5 and w["trl"] is None and w["ratio"] is None and w["difference"] is None
+    assert summary["step_time_ratio"] == 1.0
+    assert "| n/a | n/a | n/a |" in logs.markdown_table(summary)
