@@ -76,20 +76,56 @@ def time_to(rows: list[dict], threshold: float, k: int, clock: str = "time_s") -
 def per_generation(records: list[dict]) -> list[dict]:
     """One row per rollout: its reward and the wall time (sum of step times) at which that reward was known; with
     step_cpu_s in the records also cpu_s, the process CPU time by then (the first step's CPU split as its wall);
-    with entropy, the policy's mean token entropy on the fresh rollout (its first step: on-policy)."""
-    rows, elapsed, cpu = [], 0.0, 0.0
+    with entropy, the policy's mean token entropy on the fresh rollout (its first step: on-policy). With decode_steps
+    in the records, the work done by then, for a clock priced by counts (reuse_report.cost_clock): decode_steps
+    (summed over rollouts, this one's included) and train_tokens (tokens trained in the steps before)."""
+    rows, elapsed, cpu, decoded, trained = [], 0.0, 0.0, 0.0, 0
     for r in records:
         if r["iteration"] == 0 and (not rows or rows[-1]["generation"] != r["generation"]):
             rollout_s = r["time_generate_s"] + r["time_score_s"]
             rows.append({"generation": r["generation"], "reward": r["reward_mean"], "time_s": elapsed + rollout_s,
                          "step": r["step"] - 1})
+            if "decode_steps" in r:
+                decoded += r["decode_steps"]
+                rows[-1] |= {"decode_steps": decoded, "train_tokens": trained}
             if "step_cpu_s" in r:
                 rows[-1]["cpu_s"] = cpu + r["step_cpu_s"] * rollout_s / r["step_time_s"]
             if "entropy" in r:  # a policy collapsing onto one completion shows here before the reward stalls
                 rows[-1]["entropy"] = r["entropy"]
         elapsed += r["step_time_s"]
         cpu += r.get("step_cpu_s", 0.0)
+        trained += r.get("train_tokens", 0)
     return rows
+
+
+COST_TERMS = ("decode_steps", "train_tokens", "step")  # and one term per rollout
+
+
+def fit_prices(row_lists: list[list[dict]]) -> dict[str, float]:
+    """CPU seconds per unit of work, one price per COST_TERMS and per rollout, fitted by least squares on the
+    intervals between consecutive rollouts of all the given runs (each interval: what it did -> the CPU seconds it
+    took). Fitted on every run of a regime together, so every run is priced alike whenever it ran."""
+    import numpy as np
+
+    x, y = [], []
+    for rows in row_lists:
+        for a, b in zip(rows, rows[1:]):
+            x.append([b[k] - a[k] for k in COST_TERMS] + [1.0])
+            y.append(b["cpu_s"] - a["cpu_s"])
+    x, y = np.asarray(x, dtype=np.float64).reshape(-1, len(COST_TERMS) + 1), np.asarray(y, dtype=np.float64)
+    coef, free = np.zeros(x.shape[1]), list(range(x.shape[1]))
+    while free:  # no price is negative: drop the most negative term and refit without it (an active set)
+        fit = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
+        if fit.min() >= 0:
+            coef[free] = fit
+            break
+        free.pop(int(fit.argmin()))
+    return dict(zip((*COST_TERMS, "rollout"), map(float, coef)))
+
+
+def cost_clock(rows: list[dict], prices: dict[str, float]) -> list[float]:
+    """Each rollout's time on the priced clock: the work done by then, at `prices` (rollouts counted from 1)."""
+    return [sum(prices[k] * r[k] for k in COST_TERMS) + prices["rollout"] * (i + 1) for i, r in enumerate(rows)]
 
 
 def save_json(name: str, data: dict) -> Path:

@@ -42,8 +42,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import (QUICKSTART, REPO, RESULTS, MetricsTail, machine, per_generation, rank_env, read_metrics,
-                    save_json, smoothed, time_to)
+from common import (QUICKSTART, REPO, RESULTS, MetricsTail, cost_clock, fit_prices, machine, per_generation, rank_env,
+                    read_metrics, save_json, smoothed, time_to)
 from reuse_report import FRACTIONS, SMOOTH, medians, plot, tables
 
 H64 = ["--model_name_or_path", "builtin:tiny-qwen2-h64", "--loss_type", "dapo"]
@@ -120,7 +120,11 @@ VARIANTS = {
     "auto_smooth0.1": ["--num_iterations", "auto", "--reuse_drift_smoothing", "0.1"],
 }
 RENAMED = {"4+kl": "4+kl2e-3"}  # variant names of earlier result files
-CLOCKS = {"cpu_s": "step_cpu_s", "time_s": "step_time_s"}  # a row's clock: the metrics key it sums
+CLOCKS = {"cpu_s": "step_cpu_s", "time_s": "step_time_s"}  # a budget's clock: the metrics key it sums
+# The verdicts' clock: each run's work priced alike (price_runs). A 2-core VM's speed drifts: the same seed's
+# identical mu = 1 run took 1.6x the CPU seconds in one pair of runs as in another, so CPU seconds ranked
+# variants by when they ran; counts priced at one fitted rate per regime do not.
+SUMMARY_CLOCK = "cost_s"
 
 
 def run(regime: str, variant: str, seed: int, root: Path, clock: str) -> dict:
@@ -156,7 +160,16 @@ def run(regime: str, variant: str, seed: int, root: Path, clock: str) -> dict:
             "passes_used_mean": statistics.mean(passes), "steps": len(recs), "budget_s": budget,
             "budget_clock": clock, "trained": {c: trained_seconds(recs, c) for c in CLOCKS},
             "frozen_generation_share": recs[-1].get("reuse_generation_share"),
+            "frozen_cost_ratio": frozen_cost_ratio(recs[-1]),
             "load_1m_mean": statistics.mean(loads) if loads else os.getloadavg()[0]}
+
+
+def frozen_cost_ratio(record: dict) -> float | None:
+    """num_iterations: auto's clock input, seconds per decoding step over seconds per trained token, measured on
+    rollouts 1-3 and frozen (recipe/reuse.py); read back from the g it gives the record's rollout (the
+    generation share itself follows the rollout's size, so runs that end on other lengths show other g)."""
+    g = record.get("reuse_generation_share")
+    return None if not g or g >= 1 else g / (1 - g) * record["rollout_tokens"] / max(record["decode_steps"], 1)
 
 
 def trained_seconds(records: list[dict], clock: str) -> float:
@@ -176,8 +189,26 @@ def speedup(t1: float | None, tv: float | None, end1: float) -> float | None:
 
 
 def run_clock(runs: list[dict], clock: str) -> str:
-    """The clock a regime is summarized on: `clock` when every run has it (runs from before step_cpu_s: wall)."""
-    return clock if all(clock in r["rows"][0] for r in runs) else "time_s"
+    """The clock a regime is summarized on: the first of `clock`, cpu_s and time_s that every run has (runs from
+    before the work counts: no cost_s; from before step_cpu_s: wall only)."""
+    return next(c for c in dict.fromkeys((clock, "cpu_s", "time_s")) if all(c in r["rows"][0] for r in runs))
+
+
+def price_runs(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """The priced clock, cost_s, on the rows of each regime whose runs all count their work: CPU seconds per unit
+    of work fitted on that regime's runs together (common.fit_prices), so all are priced alike. Returns the
+    prices per regime."""
+    prices = {}
+    for regime in dict.fromkeys(r["regime"] for r in runs):
+        rr = [r for r in runs if r["regime"] == regime]
+        if not all("decode_steps" in r["rows"][0] and "cpu_s" in r["rows"][0] for r in rr):
+            continue
+        prices[regime] = fit_prices([r["rows"] for r in rr])
+        for r in rr:
+            for row, t in zip(r["rows"], cost_clock(r["rows"], prices[regime])):
+                row["cost_s"] = t
+            r["trained"]["cost_s"] = r["rows"][-1]["cost_s"]  # by its last rollout: a lower bound of its end
+    return prices
 
 
 def summarize(runs: list[dict], clock: str = "cpu_s") -> dict:
@@ -217,8 +248,10 @@ def summarize(runs: list[dict], clock: str = "cpu_s") -> dict:
             row["passes_used_mean"] = statistics.mean(r["passes_used_mean"] for r in vr.values())
             row["clip_ratio_region_mean"] = statistics.mean(r["clip_ratio_region_mean"] for r in vr.values())
             shares = [r["frozen_generation_share"] for r in vr.values() if r.get("frozen_generation_share")]
-            if shares:  # num_iterations: auto: the g each run measured and froze
+            if shares:  # num_iterations: auto: the g of each run's last rollout, and the cost ratio it froze
                 row["frozen_generation_share"] = shares
+            if ratios := [r["frozen_cost_ratio"] for r in vr.values() if r.get("frozen_cost_ratio")]:
+                row["frozen_cost_ratio"] = ratios
             table[variant] = row
         out[regime] = {"about": REGIMES[regime]["about"], "designed_on": regime in DESIGNED_ON,
                        "clock": key, "budget_s": rr[0]["budget_s"],
@@ -269,7 +302,7 @@ def main() -> None:
     path = RESULTS / "reuse_regimes.json"
     if args.tables:
         old = json.loads(path.read_text())
-        return print(tables({k: v for k, v in old["regimes"].items() if k in args.regimes}))
+        return print(tables({k: v for k, v in old["regimes"].items() if k in args.regimes}, old.get("verdicts_cpu_s")))
     if args.resummarize:  # the stored runs summarized and plotted again (after a change to the summary's rules)
         old = json.loads(path.read_text())
         return write(old["runs"], old["commands"], old.get("clock", args.clock), old["total_wall_s"], old["machine"])
@@ -306,20 +339,24 @@ def main() -> None:
 
 
 def write(runs: list[dict], commands: list[str], clock: str, total_wall_s: float, where: dict | None = None) -> None:
-    summary, wall = summarize(runs, clock), summarize(runs, "time_s")
+    prices = price_runs(runs)
+    summary, cpu, wall = summarize(runs, SUMMARY_CLOCK), summarize(runs, "cpu_s"), summarize(runs, "time_s")
     result = {
         "commands": commands,
         "threshold_rule": f"fraction f of the way from the median first-rollout reward to the best {SMOOTH}-rollout "
                           "moving average of any run in the regime; time = summed step times (start-up excluded) "
                           "until that rollout's reward was known, on each regime's clock (regimes[...]['clock']: "
-                          "cpu_s = the run's process CPU seconds, time_s = wall seconds)",
-        "clock": clock,
+                          "cost_s = the work done by then (decoding steps, trained tokens, optimizer steps, rollouts) "
+                          "at the CPU-second prices fitted on all of the regime's runs (prices), cpu_s = the run's "
+                          "process CPU seconds, time_s = wall seconds)",
+        "clock": clock, "summary_clock": SUMMARY_CLOCK, "prices": prices,
         "threshold_fractions": list(FRACTIONS),
         "speedup_rule": "per seed t(mu=1)/t(variant), median over seeds; a run that never reached the threshold "
                         "counts as the time mu = 1 trained (a bound) or 0.0 when the variant never reached it",
         "variants": {k: " ".join(v) for k, v in VARIANTS.items()},
-        "speedup_vs_mu1": medians(summary), "speedup_vs_mu1_wall": medians(wall),
+        "speedup_vs_mu1": medians(summary), "speedup_vs_mu1_cpu": medians(cpu), "speedup_vs_mu1_wall": medians(wall),
         "verdicts": {reg: s["verdict"] for reg, s in summary.items() if "verdict" in s},
+        "verdicts_cpu_s": {reg: s["verdict"] for reg, s in cpu.items() if "verdict" in s},
         "load_1m_during_runs": {reg: [f(r["load_1m_mean"] for r in runs if r["regime"] == reg and "load_1m_mean" in r)
                                       for f in (min, statistics.median, max)]
                                 for reg in summary if any("load_1m_mean" in r for r in runs if r["regime"] == reg)},

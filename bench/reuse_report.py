@@ -10,8 +10,9 @@ FRACTIONS = (0.5, 0.8, 0.9)
 SMOOTH = 4
 
 
-def tables(summary: dict) -> str:
-    """bench/README.md's tables, one per regime, from the summary (`--tables`)."""
+def tables(summary: dict, verdicts_cpu_s: dict | None = None) -> str:
+    """bench/README.md's tables, one per regime, from the summary (`--tables`); on the priced clock, the verdict on
+    CPU seconds beside it."""
     def cell(row: dict, f: str) -> str:
         m = row[f]["median"]
         if m is None:
@@ -29,9 +30,10 @@ def tables(summary: dict) -> str:
 
     out = []
     for regime, r in summary.items():
-        unit = {"cpu_s": "CPU s", "time_s": "s"}[r["clock"]]
+        unit = {"cpu_s": "CPU s", "time_s": "s", "cost_s": "CPU s"}[r["clock"]]  # budgets: CPU s or wall s
         design = "; designed on" if r["designed_on"] else "; not used to design the rule"
-        out += [f"**{regime}** ({r['about']}; generation share at mu = 1: {r['generation_share_mu1']:.2f}; budget "
+        clock = {"cpu_s": "", "time_s": "; wall seconds", "cost_s": "; work priced in CPU s"}[r["clock"]]
+        out += [f"**{regime}** ({r['about']}{clock}; generation share at mu = 1: {r['generation_share_mu1']:.2f}; budget "
                 f"{r['budget_s']:g} {unit}; reward {r['first_reward']:.3g} -> best {r['best_reward']:.3g}{design})", "",
                 "| variant | to 50% | to 80% | to 90% | per seed, to 80% | passes/rollout | tokens clipped | "
                 "replay efficiency (80%) | rollouts 50% -> 80%, per seed |", "|---|---|---|---|---|---|---|---|---|"]
@@ -46,6 +48,10 @@ def tables(summary: dict) -> str:
                        f"mu (mu = {v['best_fixed_mu']}, {v['best_fixed'] or 0:.2f}x): no later than mu = 1 "
                        f"{'yes' if v['no_later_than_mu1'] else 'NO'}, within 10% of the best "
                        f"{'yes' if v['within_10pct_of_best'] else 'NO'}")
+            if r["clock"] == "cost_s" and regime in (verdicts_cpu_s or {}):
+                c = verdicts_cpu_s[regime]
+                out[-1] += (f" (on CPU seconds: {c['auto'] or 0:.2f}x mu = 1, {c['auto_over_best'] or 0:.2f} of mu = "
+                            f"{c['best_fixed_mu']}'s {c['best_fixed'] or 0:.2f}x)")
         out.append("")
     return "\n".join(out)
 
@@ -70,7 +76,8 @@ def plot(regime: str, runs: list[dict], summary: dict, path: Path) -> None:
                 label=label, lw=1.2 if r["variant"] in ("1", "auto") or "+" in r["variant"] else 0.7)
     for f, t in summary["thresholds"].items():
         ax.axhline(t, ls="--", lw=0.8, color="gray")
-    ax.set_xlabel({"cpu_s": "process CPU seconds of training", "time_s": "wall-clock training seconds"}[summary["clock"]]
+    ax.set_xlabel({"cpu_s": "process CPU seconds of training", "time_s": "wall-clock training seconds",
+                   "cost_s": "training work priced in CPU seconds"}[summary["clock"]]
                   + " (start-up excluded)")
     ax.set_ylabel(f"reward ({SMOOTH}-rollout moving average)")
     title = textwrap.fill(f"{regime}: {summary['about']}", 100)

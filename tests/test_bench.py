@@ -100,6 +100,55 @@ def test_rollouts_between_thresholds_on_the_moving_average():
     assert rollouts_between(rows, 0.5, 1.5) is None and rollouts_between(rows[:5], 0.5, 0.8) is None
 
 
+def record(step, generation, iteration, decode_steps, train_tokens, cpu):
+    return {"step": step, "generation": generation, "iteration": iteration, "reward_mean": -float(step),
+            "time_generate_s": 0.5 * cpu if iteration == 0 else 0.0, "time_score_s": 0.0, "step_time_s": cpu,
+            "step_cpu_s": cpu, "decode_steps": decode_steps, "train_tokens": train_tokens}
+
+
+def test_rows_count_the_work_done_by_each_rollout():
+    sys.path.insert(0, str(REPO / "bench"))
+    from common import per_generation
+
+    # rollout 0: 2 passes of 100 tokens after 30 decoding steps; rollout 1: one pass of 50 tokens after 10
+    recs = [record(1, 0, 0, 30, 100, 2.0), record(2, 0, 1, 30, 100, 1.0), record(3, 1, 0, 10, 50, 1.0)]
+    rows = per_generation(recs)
+    assert [(r["decode_steps"], r["train_tokens"], r["step"]) for r in rows] == [(30, 0, 0), (40, 200, 2)]
+    assert [r["cpu_s"] for r in rows] == [1.0, 3.5]  # the first step's CPU split as its wall: generation is half
+
+
+def test_priced_clock_recovers_the_prices_and_ignores_when_a_run_ran():
+    """Two runs doing the same work, one on a machine twice as slow half of the time: CPU seconds tell them apart,
+    the priced clock (fitted on both together) does not, and a fitted price is never negative."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import random
+
+    from common import cost_clock, fit_prices
+
+    prices = {"decode_steps": 2e-3, "train_tokens": 5e-5, "step": 0.04, "rollout": 0.05}
+    runs = []
+    for slow in (1.0, 2.0):
+        rng = random.Random(0)  # the same work in both runs
+        rows, work, cpu = [], {"decode_steps": 0, "train_tokens": 0, "step": 0}, 0.0
+        for i in range(60):
+            passes, decode, tokens = rng.choice((1, 2, 4)), rng.randint(20, 256), rng.randint(500, 1500)
+            cpu += (prices["decode_steps"] * decode + prices["rollout"]) * (slow if i % 2 else 1.0)
+            work["decode_steps"] += decode
+            rows.append({**work, "cpu_s": cpu})
+            work["train_tokens"] += passes * tokens
+            work["step"] += passes
+            cpu += (prices["train_tokens"] * tokens + prices["step"]) * passes * (slow if i % 2 else 1.0)
+        runs.append(rows)
+    fitted = fit_prices(runs)
+    assert all(v >= 0 for v in fitted.values())
+    a, b = (cost_clock(rows, fitted) for rows in runs)
+    assert a == b and runs[1][-1]["cpu_s"] > 1.4 * runs[0][-1]["cpu_s"]
+    assert fit_prices([runs[0]]) == pytest.approx(prices, rel=1e-6)  # exact work, one speed: the prices themselves
+    # a term that costs nothing and is pure noise is not given a negative price
+    noisy = [[{**r, "step": r["step"] + rng.randint(0, 3)} for r in runs[0]]]
+    assert min(fit_prices(noisy).values()) >= 0
+
+
 @pytest.mark.slow
 def test_reuse_regimes_smoke(tmp_path):
     bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "auto", "--seeds", "0",
@@ -108,12 +157,17 @@ def test_reuse_regimes_smoke(tmp_path):
     assert set(r["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "auto"} and r["threshold_fractions"] == [0.5, 0.8, 0.9]
     reg = r["regimes"]["trl_lr1e-3"]
     assert reg["thresholds"]["0.5"] <= reg["thresholds"]["0.9"] <= reg["best_reward"]
-    assert reg["clock"] == r["clock"] == "cpu_s" and reg["designed_on"]
+    assert reg["clock"] == r["summary_clock"] == "cost_s" and r["clock"] == "cpu_s" and reg["designed_on"]
+    assert set(r["prices"]["trl_lr1e-3"]) == {"decode_steps", "train_tokens", "step", "rollout"}
+    assert r["verdicts_cpu_s"]["trl_lr1e-3"]["threshold"] == "0.8" and set(r["speedup_vs_mu1_cpu"]) == {"trl_lr1e-3"}
     assert 0 < reg["generation_share_mu1"] < 1 and 1 <= reg["variants"]["auto"]["passes_used_mean"] <= 8
     assert r["verdicts"]["trl_lr1e-3"]["threshold"] == "0.8" and set(r["speedup_vs_mu1_wall"]) == {"trl_lr1e-3"}
     for run in r["runs"]:  # each run trained for its whole CPU budget (start-up excluded) and was then stopped
         assert 45 * 0.08 <= run["trained"]["cpu_s"] and run["rows"][-1]["cpu_s"] <= 45 * 0.08 + 5
         assert all(a["cpu_s"] < b["cpu_s"] for a, b in zip(run["rows"], run["rows"][1:]))
+        for key in ("decode_steps", "train_tokens", "step", "cost_s"):  # the work done by each rollout, priced
+            assert all(a[key] <= b[key] for a, b in zip(run["rows"], run["rows"][1:])), key
+        assert run["rows"][-1]["cost_s"] == run["trained"]["cost_s"] > 0
         assert all(0 < row["entropy"] < 6.3 for row in run["rows"])  # nats per token, at most ln 512 (tiny vocabulary)
     assert [len(row["rollouts_0.5_to_0.8"]) for row in reg["variants"].values()] == [1, 1]
     assert_plot(tmp_path / "reuse_trl_lr1e-3.png", 770, 495)
@@ -122,7 +176,11 @@ def test_reuse_regimes_smoke(tmp_path):
           "--budget_scale", "0.08", "--keep")
     again = json.loads((tmp_path / "reuse_regimes.json").read_text())
     assert set(again["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "auto", "2"} and len(again["commands"]) == 2
-    assert [x for x in again["runs"] if x["variant"] != "2"] == r["runs"]
+    def unpriced(runs):  # a run added to the regime refits its prices, so cost_s moves; nothing else does
+        return [{**x, "rows": [{k: v for k, v in row.items() if k != "cost_s"} for row in x["rows"]],
+                 "trained": {k: v for k, v in x["trained"].items() if k != "cost_s"}} for x in runs]
+
+    assert unpriced([x for x in again["runs"] if x["variant"] != "2"]) == unpriced(r["runs"])
     # without a stored mu = 1 there is no baseline: refused before anything runs
     for args in (["--regimes", "short_lr3e-4", "--keep"], ["--regimes", "trl_lr1e-3"]):
         proc = subprocess.run([sys.executable, "reuse_regimes.py", *args, "--variants", "2"], cwd=REPO / "bench",

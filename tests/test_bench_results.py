@@ -38,7 +38,9 @@ def test_reuse_regimes_summary():
     import reuse_regimes
 
     r = load("reuse_regimes.json")
-    summary = reuse_regimes.summarize(r["runs"], r["clock"])
+    runs = json.loads(json.dumps(r["runs"]))  # priced again from the stored counts and CPU seconds
+    assert as_json(reuse_regimes.price_runs(runs)) == r.get("prices", {}) and runs == r["runs"]
+    summary = reuse_regimes.summarize(runs, r.get("summary_clock", r["clock"]))
     assert as_json(summary) == r["regimes"]
     speedups = {reg: {v: {f: row[f]["median"] for f in map(str, reuse_regimes.FRACTIONS)}
                       for v, row in s["variants"].items()} for reg, s in summary.items()}
