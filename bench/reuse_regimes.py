@@ -27,7 +27,7 @@ with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's
     python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 h128_short_lr3e-4 h128_long_lr6e-4 \
         space_b16_lr1e-3 mid_lr6e-4 vowel_b8_lr3e-4 vowel_b16_lr3e-4 --variants auto --keep
 
-(`--keep` adds to the existing result file, replacing only the regime and variant pairs it runs; the JSON's
+(`--keep` adds to the existing result file, replacing only the (regime, variant, seed) runs it runs; the JSON's
 `commands` lists the invocations its runs come from, in the order they ran.)
 """
 from __future__ import annotations
@@ -290,7 +290,7 @@ def main() -> None:
                     help="budgets and the verdict on process CPU seconds (cpu_s: robust to other jobs on the machine) "
                          "or wall seconds (time_s); the other clock is reported too")
     ap.add_argument("--keep", action="store_true",
-                    help="keep the stored runs of reuse_regimes.json, replacing only the (regime, variant) pairs run now")
+                    help="keep the stored runs of reuse_regimes.json, replacing only the (regime, variant, seed) runs run now")
     ap.add_argument("--resummarize", action="store_true", help="run nothing: summarize and plot the stored runs again")
     ap.add_argument("--tables", action="store_true", help="run nothing: print bench/README.md's tables of the stored runs")
     args = ap.parse_args()
@@ -328,9 +328,9 @@ def main() -> None:
         for r in old["runs"]:
             r.setdefault("budget_s", old["regimes"][r["regime"]]["budget_s"])
             r["variant"] = RENAMED.get(r["variant"], r["variant"])
-        rerun = {(r["regime"], r["variant"]) for r in runs}
-        kept = [r for r in old["runs"] if (r["regime"], r["variant"]) not in rerun]
-        stored, still = old.get("commands") or [old["command"]], {(r["regime"], r["variant"]) for r in kept}
+        rerun = {(r["regime"], r["variant"], r["seed"]) for r in runs}
+        kept = [r for r in old["runs"] if (r["regime"], r["variant"], r["seed"]) not in rerun]
+        stored, still = old.get("commands") or [old["command"]], {(r["regime"], r["variant"], r["seed"]) for r in kept}
         # a command is history once every stored run it made was redone by a later one (or by this one)
         old_commands = [c for i, c in enumerate(stored)
                         if (still & set(runs_of(c))) - set().union(*(runs_of(later) for later in stored[i + 1:]))]
@@ -373,8 +373,8 @@ def write(runs: list[dict], commands: list[str], clock: str, total_wall_s: float
               s.get("verdict", ""))
 
 
-def runs_of(command: str) -> list[tuple[str, str]]:
-    """The (regime, variant) pairs a stored command ran (older commands without --variants ran the defaults)."""
+def runs_of(command: str) -> list[tuple[str, str, int]]:
+    """The (regime, variant, seed) runs a stored command made (older commands without --variants ran the defaults)."""
     words = command.split()
 
     def after(flag: str, default: list[str]) -> list[str]:
@@ -383,7 +383,8 @@ def runs_of(command: str) -> list[tuple[str, str]]:
         i = words.index(flag) + 1
         return words[i:next((j for j in range(i, len(words)) if words[j].startswith("--")), len(words))]
     variants = [RENAMED.get(v, v) for v in after("--variants", ["1", "2", "4", "8", "auto"])]
-    return [(reg, v) for reg in after("--regimes", list(REGIMES)) for v in variants]
+    seeds = [int(s) for s in after("--seeds", ["0", "1", "2"])]
+    return [(reg, v, s) for reg in after("--regimes", list(REGIMES)) for v in variants for s in seeds]
 
 
 def report(r: dict) -> dict:

@@ -171,16 +171,17 @@ def test_reuse_regimes_smoke(tmp_path):
         assert all(0 < row["entropy"] < 6.3 for row in run["rows"])  # nats per token, at most ln 512 (tiny vocabulary)
     assert [len(row["rollouts_0.5_to_0.8"]) for row in reg["variants"].values()] == [1, 1]
     assert_plot(tmp_path / "reuse_trl_lr1e-3.png", 770, 495)
-    # --keep adds a variant to a stored regime: the stored runs (mu = 1 the baseline) stay as they were
-    bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "2", "--seeds", "0",
+    # --keep adds runs to a stored regime (a variant, a seed of a stored variant): the stored runs stay as they were
+    bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "2", "--seeds", "1",
           "--budget_scale", "0.08", "--keep")
     again = json.loads((tmp_path / "reuse_regimes.json").read_text())
     assert set(again["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "auto", "2"} and len(again["commands"]) == 2
+    assert sorted((x["variant"], x["seed"]) for x in again["runs"]) == [("1", 0), ("1", 1), ("2", 1), ("auto", 0)]
     def unpriced(runs):  # a run added to the regime refits its prices, so cost_s moves; nothing else does
         return [{**x, "rows": [{k: v for k, v in row.items() if k != "cost_s"} for row in x["rows"]],
                  "trained": {k: v for k, v in x["trained"].items() if k != "cost_s"}} for x in runs]
 
-    assert unpriced([x for x in again["runs"] if x["variant"] != "2"]) == unpriced(r["runs"])
+    assert unpriced([x for x in again["runs"] if x["seed"] == 0]) == unpriced(r["runs"])
     # without a stored mu = 1 there is no baseline: refused before anything runs
     for args in (["--regimes", "short_lr3e-4", "--keep"], ["--regimes", "trl_lr1e-3"]):
         proc = subprocess.run([sys.executable, "reuse_regimes.py", *args, "--variants", "2"], cwd=REPO / "bench",
