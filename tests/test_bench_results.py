@@ -34,10 +34,11 @@ def test_mu_sweep_summary():
     assert as_json({mu: v["median"] for mu, v in summary[str(f)]["speedup_vs_mu1"].items()}) == r["speedup_vs_mu1"]
 
 
-def test_reuse_regimes_summary():
+@pytest.mark.parametrize("name", ["reuse_regimes.json", "reuse_screen_seeds.json"])
+def test_reuse_regimes_summary(name):
     import reuse_regimes
 
-    r = load("reuse_regimes.json")
+    r = load(name)
     runs = json.loads(json.dumps(r["runs"]))  # priced again from the stored counts and CPU seconds
     assert as_json(reuse_regimes.price_runs(runs)) == r.get("prices", {}) and runs == r["runs"]
     summary = reuse_regimes.summarize(runs, r.get("summary_clock", r["clock"]))
