@@ -14,8 +14,8 @@ median over seeds; a run that never reaches a threshold counts as taking longer 
 speed-up over a mu = 1 run that never got there is a lower bound, reported as budget / t). Verdict per regime
 with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's.
 
-    # the fixed-mu map (vowel_b16_lr3e-4: wall-clock budgets, before step_cpu_s)
-    python bench/reuse_regimes.py --regimes vowel_b16_lr3e-4 --variants 1 4
+    # a designed-on regime, every variant rerun on the priced clock
+    python bench/reuse_regimes.py --regimes vowel_b16_lr3e-4 --variants 1 4 auto8 auto --keep
     # every other regime: fixed mu and auto8 (auto with the former cap of 8 passes), CPU-second budgets
     python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 --variants 1 2 4 8 auto8 --keep
     python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants 1 2 4 8 auto8 --budget_scale 2 --keep
