@@ -328,9 +328,9 @@ def main() -> None:
         for r in old["runs"]:
             r.setdefault("budget_s", old["regimes"][r["regime"]]["budget_s"])
             r["variant"] = RENAMED.get(r["variant"], r["variant"])
-        rerun = {(r["regime"], r["variant"], r["seed"]) for r in runs}
-        kept = [r for r in old["runs"] if (r["regime"], r["variant"], r["seed"]) not in rerun]
-        stored, still = old.get("commands") or [old["command"]], {(r["regime"], r["variant"], r["seed"]) for r in kept}
+        rerun = set(map(run_key, runs))
+        kept = [r for r in old["runs"] if run_key(r) not in rerun]
+        stored, still = old.get("commands") or [old["command"]], set(map(run_key, kept))
         # a command is history once every stored run it made was redone by a later one (or by this one)
         old_commands = [c for i, c in enumerate(stored)
                         if (still & set(runs_of(c))) - set().union(*(runs_of(later) for later in stored[i + 1:]))]
@@ -371,6 +371,10 @@ def write(runs: list[dict], commands: list[str], clock: str, total_wall_s: float
         print(f"{reg} (generation share {s['generation_share_mu1']:.2f}, {s['clock']}):",
               {v: {f: None if x is None else round(x, 2) for f, x in row.items()} for v, row in medians(summary)[reg].items()},
               s.get("verdict", ""))
+
+
+def run_key(run: dict) -> tuple[str, str, int]:
+    return run["regime"], run["variant"], run["seed"]
 
 
 def runs_of(command: str) -> list[tuple[str, str, int]]:
