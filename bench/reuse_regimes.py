@@ -45,6 +45,7 @@ from pathlib import Path
 from common import (QUICKSTART, REPO, RESULTS, MetricsTail, cost_clock, fit_prices, machine, per_generation, rank_env,
                     read_metrics, save_json, smoothed, time_to)
 from reuse_report import FRACTIONS, SMOOTH, medians, plot, tables
+from reuse_store import merge
 
 H64 = ["--model_name_or_path", "builtin:tiny-qwen2-h64", "--loss_type", "dapo"]
 TINY = [*H64, "--num_generations", "8", "--reward_funcs", json.dumps([{"func": "length", "kwargs": {"target_chars": 60}}])]
@@ -119,7 +120,6 @@ VARIANTS = {
     # a candidate: the drift rate averaged over recent passes (about 10), so strong-signal rollouts keep their replays
     "auto_smooth0.1": ["--num_iterations", "auto", "--reuse_drift_smoothing", "0.1"],
 }
-RENAMED = {"4+kl": "4+kl2e-3"}  # variant names of earlier result files
 CLOCKS = {"cpu_s": "step_cpu_s", "time_s": "step_time_s"}  # a budget's clock: the metrics key it sums
 # The verdicts' clock: each run's work priced alike (price_runs). A 2-core VM's speed drifts: the same seed's
 # identical mu = 1 run took 1.6x the CPU seconds in one pair of runs as in another, so CPU seconds ranked
@@ -324,17 +324,7 @@ def main() -> None:
          f"--seeds {' '.join(map(str, args.seeds))}", f"--jobs {args.jobs}", f"--budget_scale {args.budget_scale}",
          f"--clock {args.clock}"] + (["--keep"] if args.keep else []))]
     if args.keep and path.exists():
-        old = json.loads(path.read_text())
-        for r in old["runs"]:
-            r.setdefault("budget_s", old["regimes"][r["regime"]]["budget_s"])
-            r["variant"] = RENAMED.get(r["variant"], r["variant"])
-        rerun = set(map(run_key, runs))
-        kept = [r for r in old["runs"] if run_key(r) not in rerun]
-        stored, still = old.get("commands") or [old["command"]], set(map(run_key, kept))
-        # a command is history once every stored run it made was redone by a later one (or by this one)
-        old_commands = [c for i, c in enumerate(stored)
-                        if (still & set(runs_of(c))) - set().union(*(runs_of(later) for later in stored[i + 1:]))]
-        runs, commands = kept + runs, old_commands + commands
+        runs, commands = merge(json.loads(path.read_text()), runs, commands, list(REGIMES))
     write(runs, commands, args.clock, time.perf_counter() - t0)
 
 
@@ -371,24 +361,6 @@ def write(runs: list[dict], commands: list[str], clock: str, total_wall_s: float
         print(f"{reg} (generation share {s['generation_share_mu1']:.2f}, {s['clock']}):",
               {v: {f: None if x is None else round(x, 2) for f, x in row.items()} for v, row in medians(summary)[reg].items()},
               s.get("verdict", ""))
-
-
-def run_key(run: dict) -> tuple[str, str, int]:
-    return run["regime"], run["variant"], run["seed"]
-
-
-def runs_of(command: str) -> list[tuple[str, str, int]]:
-    """The (regime, variant, seed) runs a stored command made (older commands without --variants ran the defaults)."""
-    words = command.split()
-
-    def after(flag: str, default: list[str]) -> list[str]:
-        if flag not in words:
-            return default
-        i = words.index(flag) + 1
-        return words[i:next((j for j in range(i, len(words)) if words[j].startswith("--")), len(words))]
-    variants = [RENAMED.get(v, v) for v in after("--variants", ["1", "2", "4", "8", "auto"])]
-    seeds = [int(s) for s in after("--seeds", ["0", "1", "2"])]
-    return [(reg, v, s) for reg in after("--regimes", list(REGIMES)) for v in variants for s in seeds]
 
 
 def report(r: dict) -> dict:
