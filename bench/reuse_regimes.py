@@ -22,6 +22,8 @@ with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's
     python bench/reuse_regimes.py --regimes h128_short_lr3e-4 h128_long_lr6e-4 space_b16_lr1e-3 --variants 1 2 4 auto8 --keep
     python bench/reuse_regimes.py --regimes mid_lr6e-4 --variants 1 2 4 8 auto8 --keep
     python bench/reuse_regimes.py --regimes vowel_b8_lr3e-4 --variants 1 4 8 auto8 --keep
+    # the most generation-dominated regime (g = 0.86), every variant, six seeds
+    python bench/reuse_regimes.py --regimes vowel_b4_lr1e-3 --variants 1 2 4 8 auto8 auto --seeds 0 1 2 3 4 5 --keep
     # the default, num_iterations: auto (at most 4 passes), everywhere
     python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants auto --budget_scale 2 --keep
     python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 h128_short_lr3e-4 h128_long_lr6e-4 \
