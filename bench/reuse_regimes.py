@@ -100,7 +100,7 @@ REGIMES.update({
     "mid_lr6e-4": {"args": [*TINY, "--max_completion_length", "128", "--per_device_train_batch_size", "8",
                             "--gradient_accumulation_steps", "2", "--learning_rate", "6e-4"], "budget_s": 60,
                    "about": "128 new tokens, 16 completions/step (2 micro-batches), lr 6e-4"},
-    # the most generation-dominated regime these CPUs allow with a length-neutral reward: 8 completions per step
+    # the >= 4x target's first regime, with a length-neutral reward at lr 3e-4: 8 completions per step
     # (decoding costs about the same per token step whatever the batch, training halves), mu up to 8
     "vowel_b8_lr3e-4": {"args": [*VOWEL, "--per_device_train_batch_size", "8", "--learning_rate", "3e-4"],
                         "budget_s": 1000, "stop_at": 0.95,
