@@ -16,3 +16,12 @@ def space_share(prompts, completions, **_) -> list[float]:
     """Fraction of the completion's characters that are spaces (shorter words), 0.0 for an empty completion: a
     second length-neutral reward, on word boundaries rather than letters (a regime the default was not designed on)."""
     return [c.count(" ") / len(c) if c else 0.0 for c in completions]
+
+
+def no_e_share(prompts, completions, **_) -> list[float]:
+    """Fraction of the completion's characters that are not an e (a lipogram), 0.0 for an empty completion: a third
+    length-neutral reward, one whose ceiling needs no collapse. Most tokens hold no e, so the policy reaches 0.99
+    while its entropy is still high (5.7 nats of 6.2 in a probe), where the vowel share's ceiling needs the few
+    all-vowel tokens and the policy can collapse short of it (the 2/3 trap, bench/README.md)."""
+    return [1.0 - c.lower().count("e") / len(c) if c else 0.0 for c in completions]
+

@@ -89,6 +89,8 @@ REGIMES = {
 DESIGNED_ON = set(REGIMES)
 SPACE = [*H64, "--reward_funcs", json.dumps(["bench/regime_rewards.py:space_share"]), "--num_generations", "4",
          "--max_completion_length", "128", "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"]
+NOE = [*H64, "--reward_funcs", json.dumps(["bench/regime_rewards.py:no_e_share"]), "--num_generations", "4",
+       "--max_completion_length", "256", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1"]
 REGIMES.update({
     # a different reward (length-neutral, on word boundaries), shorter completions
     "space_b16_lr1e-3": {"args": [*SPACE, "--learning_rate", "1e-3"], "budget_s": 180, "stop_at": 0.95,
@@ -112,6 +114,12 @@ REGIMES.update({
                         "budget_s": 400, "stop_at": 0.95,
                         "about": "the most generation-dominated: vowel share, 256 new tokens, G = 4, 4 completions/step, "
                                  "lr 1e-3"},
+    # the same shape with a reward whose ceiling needs no collapse (bench/regime_rewards.py:no_e_share): the vowel
+    # regimes' verdicts turned on whether a seed fell into the 2/3 trap; this one measures reuse
+    "noe_b4_lr1e-3": {"args": [*NOE, "--learning_rate", "1e-3"],
+                      "budget_s": 400, "stop_at": 0.99,
+                      "about": "the most generation-dominated, a trap-free reward (share of characters not an e): "
+                               "256 new tokens, G = 4, 4 completions/step, lr 1e-3"},
 })
 # the default's cap of 4 passes was read off the fixed mu = 4 and 8 columns, mid_lr6e-4's among them
 DESIGNED_ON.add("mid_lr6e-4")

@@ -83,11 +83,12 @@ def test_metrics_tail_parses_only_complete_new_lines(tmp_path):
     assert tail.read() == read_metrics(tmp_path) == [{"step": 1}, {"step": 2}, {"step": 3, "x": {}, "y": 1}]
 
 
-def test_vowel_share_reward_loads_as_a_file_spec():
+def test_regime_rewards_load_as_file_specs():
     from recipe.rewards import load_reward_funcs
 
-    (fn,) = load_reward_funcs([f"{REPO / 'bench' / 'regime_rewards.py'}:vowel_share"])
-    assert fn.fn(["p"] * 4, ["aeb", "", "xyz", "Oui!"]) == [2 / 3, 0.0, 0.0, 2 / 4]  # capitals are not counted
+    vowel, no_e = load_reward_funcs([f"{REPO / 'bench' / 'regime_rewards.py'}:{f}" for f in ("vowel_share", "no_e_share")])
+    assert vowel.fn(["p"] * 4, ["aeb", "", "xyz", "Oui!"]) == [2 / 3, 0.0, 0.0, 2 / 4]  # capitals are not counted
+    assert no_e.fn(["p"] * 4, ["the", "", "xyz", "EeE e"]) == pytest.approx([2 / 3, 0.0, 1.0, 1 / 5])  # an E is an e
 
 
 def test_rollouts_between_thresholds_on_the_moving_average():
