@@ -22,8 +22,8 @@ with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's
     python bench/reuse_regimes.py --regimes h128_short_lr3e-4 h128_long_lr6e-4 space_b16_lr1e-3 --variants 1 2 4 auto8 --keep
     python bench/reuse_regimes.py --regimes mid_lr6e-4 --variants 1 2 4 8 auto8 --keep
     python bench/reuse_regimes.py --regimes vowel_b8_lr3e-4 --variants 1 4 8 auto8 --keep
-    # the most generation-dominated regime (g = 0.86), every variant, six seeds
-    python bench/reuse_regimes.py --regimes vowel_b4_lr1e-3 --variants 1 2 4 8 auto8 auto --seeds 0 1 2 3 4 5 --keep
+    # the most generation-dominated regimes (g = 0.86), every variant, six seeds
+    python bench/reuse_regimes.py --regimes vowel_b4_lr1e-3 noe_b4_lr1e-3 --variants 1 2 4 8 auto8 auto --seeds 0 1 2 3 4 5 --keep
     # the default, num_iterations: auto (at most 4 passes), everywhere
     python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants auto --budget_scale 2 --keep
     python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 h128_short_lr3e-4 h128_long_lr6e-4 \
@@ -118,7 +118,7 @@ REGIMES.update({
     # regimes' verdicts turned on whether a seed fell into the 2/3 trap; this one measures reuse
     "noe_b4_lr1e-3": {"args": [*NOE, "--learning_rate", "1e-3"],
                       "budget_s": 400, "stop_at": 0.99,
-                      "about": "the most generation-dominated, a trap-free reward (share of characters not an e): "
+                      "about": "vowel_b4_lr1e-3's shape, a trap-free reward (share of characters not an e): "
                                "256 new tokens, G = 4, 4 completions/step, lr 1e-3"},
 })
 # the default's cap of 4 passes was read off the fixed mu = 4 and 8 columns, mid_lr6e-4's among them
