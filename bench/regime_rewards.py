@@ -1,8 +1,9 @@
-"""Rewards for the reuse benchmarks' generation-dominated regime.
+"""Rewards for the reuse benchmarks' generation-dominated regimes.
 
 The length reward shortens completions as it learns, so generation's share of a step falls during the run
-and reuse loses its reason mid-run. This one is length-neutral: a completion's share of characters that
-are vowels. Completions stay as long as the random model makes them, so the generation share stays put.
+and reuse loses its reason mid-run. These are length-neutral: shares of a
+completion's characters (vowels, spaces, anything but an e). Completions stay as long as the random model makes
+them, so the generation share stays put.
 """
 from __future__ import annotations
 
@@ -24,4 +25,3 @@ def no_e_share(prompts, completions, **_) -> list[float]:
     while its entropy is still high (5.7 nats of 6.2 in a probe), where the vowel share's ceiling needs the few
     all-vowel tokens and the policy can collapse short of it (the 2/3 trap, bench/README.md)."""
     return [1.0 - c.lower().count("e") / len(c) if c else 0.0 for c in completions]
-
