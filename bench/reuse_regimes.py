@@ -120,6 +120,11 @@ REGIMES.update({
                       "budget_s": 400, "stop_at": 0.99,
                       "about": "vowel_b4_lr1e-3's shape, a trap-free reward (share of characters not an e): "
                                "256 new tokens, G = 4, 4 completions/step, lr 1e-3"},
+    # and vowel_b16_lr3e-4's shape (where auto failed at 0.74 of mu = 4) with the same trap-free reward
+    "noe_b16_lr3e-4": {"args": [*NOE, "--per_device_train_batch_size", "16", "--learning_rate", "3e-4"],
+                       "budget_s": 840, "stop_at": 0.99,
+                       "about": "vowel_b16_lr3e-4's shape, a trap-free reward (share of characters not an e): "
+                                "256 new tokens, G = 4, 16 completions/step, lr 3e-4"},
 })
 # the default's cap of 4 passes was read off the fixed mu = 4 and 8 columns, mid_lr6e-4's among them
 DESIGNED_ON.add("mid_lr6e-4")
