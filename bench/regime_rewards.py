@@ -1,9 +1,9 @@
 """Rewards for the reuse benchmarks' generation-dominated regimes.
 
 The length reward shortens completions as it learns, so generation's share of a step falls during the run
-and reuse loses its reason mid-run. These are length-neutral: shares of a
-completion's characters (vowels, spaces, anything but an e). Completions stay as long as the random model makes
-them, so the generation share stays put.
+and reuse loses its reason mid-run. These are length-neutral, shares of a completion's characters (vowels,
+spaces, anything but an e): completions stay as long as the random model makes them, so the generation share
+stays put.
 """
 from __future__ import annotations
 
