@@ -43,6 +43,7 @@ class ReuseController:
         self.pinned_odds = None if pinned is None else pinned / (1.0 - pinned)
         self.cost_ratio = None  # a / b: seconds per decoding step over seconds per trained token (frozen)
         self.size = (0.0, 0)  # the current rollout's decoding steps and tokens per pass
+        self.signal = True  # whether any group of the current rollout has unequal rewards (nonzero advantages)
         self.kl_sum = self.clip_sum = 0.0
         self.tokens = 0
         # rollouts 1..M: this rank's rollout-phase and training seconds; decoding steps; tokens x passes trained
@@ -83,6 +84,7 @@ class ReuseController:
         self.clip_sum += record["clip_ratio_region"] * record["train_tokens"]
         self.tokens += record["train_tokens"]
         self.size = (record["decode_steps"], record["rollout_tokens"])
+        self.signal = record["frac_reward_zero_std"] < 1.0
         if self.measuring(record["generation"]):
             self.window[0] += sum(record[f"time_{p}_s"] for p in ROLLOUT_PHASES)
             self.window[1] += record["time_train_s"]
@@ -99,8 +101,10 @@ class ReuseController:
             self.window[3] += self.size[1]
         elif self.auto and self.pinned_odds is None and self.cost_ratio is None and rollout > self.measure:
             self.cost_ratio = self.measured_cost_ratio()
-        if self.auto:  # the drift the next pass would run at
-            kl = self.next_kl(kl, pass_index)
+        if self.auto:
+            if not self.signal:  # all advantages 0: the policy loss has no gradient, a replay only steps momentum
+                return True
+            kl = self.next_kl(kl, pass_index)  # the drift the next pass would run at
         target = self.target_kl
         return (target is not None and kl > target) or (self.max_clip is not None and clip > self.max_clip)
 

@@ -31,9 +31,9 @@ def strip(records):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
-def step(rollout, kl=0.0, clip=0.0, tokens=100, gen=0.0, train=0.0, it=0, decode=100.0, size=1000):
+def step(rollout, kl=0.0, clip=0.0, tokens=100, gen=0.0, train=0.0, it=0, decode=100.0, size=1000, zero_std=0.0):
     """A metrics record as the loop logs it, with what the controller reads."""
-    return {"generation": rollout, "iteration": it, "approx_kl": kl, "clip_ratio_region": clip, "train_tokens": tokens,
+    return {"generation": rollout, "frac_reward_zero_std": zero_std, "iteration": it, "approx_kl": kl, "clip_ratio_region": clip, "train_tokens": tokens,
             "time_sync_s": 0.0, "time_generate_s": gen, "time_score_s": 0.0, "time_old_logp_s": 0.0,
             "time_train_s": train, "decode_steps": decode, "rollout_tokens": size}
 
@@ -75,6 +75,16 @@ def test_auto_replays_while_the_next_pass_drift_is_below_the_target_set_by_g():
     assert 4.99e-3 < ReuseController(dear).target_kl < 5e-3
     unknown = ReuseController(Config(num_iterations="auto"))
     assert unknown.target_kl == Config().reuse_max_kl / 2  # before g is known: g = 1/2
+
+
+def test_auto_never_replays_a_rollout_whose_groups_all_have_equal_rewards():
+    # every advantage 0: the policy loss has no gradient, so a replay is worth nothing whatever its drift
+    ctl = ReuseController(Config(num_iterations="auto", reuse_generation_share=0.9))
+    assert ctl.step_done(step(0, kl=0.0, it=0, zero_std=1.0), last_in_pass=True)
+    assert not ctl.step_done(step(1, kl=0.0, it=0, zero_std=0.75), last_in_pass=True)  # one group of 4 teaches
+    # a fixed mu is the user's: its passes are all taken (its targets alone may cut them)
+    fixed = ReuseController(Config(num_iterations=4, reuse_target_kl=1e-3))
+    assert not fixed.step_done(step(0, kl=0.0, it=0, zero_std=1.0), last_in_pass=True)
 
 
 def test_smoothed_drift_rate_keeps_a_strong_rollouts_replays_and_follows_a_lasting_change():
@@ -158,6 +168,17 @@ def test_run_skips_remaining_passes_and_resumes_exactly(tmp_path):
     run("--num_iterations", "4", "--reuse_target_kl", "1e9", "--output_dir", str(huge), "--max_steps", "4",
         "--save_steps", "0")
     assert [r["passes_used"] for r in read_jsonl(huge / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_auto_run_trains_a_signal_free_rollout_once(tmp_path):
+    # A constant reward: every group's rewards are equal, so auto takes no replay (the length reward's runs
+    # below take the first replay of every rollout: a pass on-policy is free of drift).
+    out = tmp_path / "out"
+    run("--num_iterations", "auto", "--max_steps", "3", "--output_dir", str(out), "--save_steps", "0",
+        "--reward_funcs", "[tests.reward_fixtures:numpy_ones]")
+    recs = read_jsonl(out / "metrics.jsonl")
+    assert [(r["generation"], r["passes_used"], r["frac_reward_zero_std"]) for r in recs] == [(0, 1, 1.0), (1, 1, 1.0),
+                                                                                          (2, 1, 1.0)]
 
 
 @pytest.mark.slow
