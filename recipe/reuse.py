@@ -15,7 +15,8 @@ regimes where plain mu = 8 ran next to mu = 4, even at low drift). KL_next is ex
 strong-signal rollout, which drifts further per update, is not singled out for fewer replays (screened, not
 adopted: bench/README.md). The worth reaches zero at a finite drift: however dear generation is, a replay never
 runs past KL_max (an earlier worth, 1 / (1 + KL / kappa), never reached zero and let generation-dominated runs
-replay to KL 5e-3, where passes 5-8 paid nothing).
+replay to KL 5e-3, where passes 5-8 paid nothing). A rollout whose every group has equal rewards is never
+replayed: all its advantages are 0, so a replay has no gradient to follow.
 
 g / (1 - g) = T_gen / T_train is priced per rollout from its own size: T_gen = a * decoding steps, T_train =
 b * tokens trained per pass, so g follows the rollout as completions grow or shrink. The clock gives only the
