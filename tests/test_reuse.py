@@ -33,9 +33,9 @@ def strip(records):
 
 def step(rollout, kl=0.0, clip=0.0, tokens=100, gen=0.0, train=0.0, it=0, decode=100.0, size=1000, zero_std=0.0):
     """A metrics record as the loop logs it, with what the controller reads."""
-    return {"generation": rollout, "frac_reward_zero_std": zero_std, "iteration": it, "approx_kl": kl, "clip_ratio_region": clip, "train_tokens": tokens,
+    return {"generation": rollout, "iteration": it, "approx_kl": kl, "clip_ratio_region": clip, "train_tokens": tokens,
             "time_sync_s": 0.0, "time_generate_s": gen, "time_score_s": 0.0, "time_old_logp_s": 0.0,
-            "time_train_s": train, "decode_steps": decode, "rollout_tokens": size}
+            "time_train_s": train, "decode_steps": decode, "rollout_tokens": size, "frac_reward_zero_std": zero_std}
 
 
 @pytest.fixture
