@@ -34,7 +34,7 @@ def test_mu_sweep_summary():
     assert as_json({mu: v["median"] for mu, v in summary[str(f)]["speedup_vs_mu1"].items()}) == r["speedup_vs_mu1"]
 
 
-@pytest.mark.parametrize("name", ["reuse_regimes.json", "reuse_screen_seeds.json"])
+@pytest.mark.parametrize("name", ["reuse_regimes.json", "reuse_screen_seeds.json", "reuse_screen_maxkl_priced.json"])
 def test_reuse_regimes_summary(name):
     import reuse_regimes
 
