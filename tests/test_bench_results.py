@@ -21,6 +21,17 @@ def as_json(x):
     return json.loads(json.dumps(x))
 
 
+def close(a, b, rel=1e-9) -> bool:
+    """Equal up to float rounding: least-squares prices differ in the last bits between numpy/BLAS builds."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], rel) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y, rel) for x, y in zip(a, b))
+    return a == b
+
+
 def test_mu_sweep_summary():
     import mu_sweep
 
@@ -40,13 +51,13 @@ def test_reuse_regimes_summary(name):
 
     r = load(name)
     runs = json.loads(json.dumps(r["runs"]))  # priced again from the stored counts and CPU seconds
-    assert as_json(reuse_regimes.price_runs(runs)) == r.get("prices", {}) and runs == r["runs"]
+    assert close(as_json(reuse_regimes.price_runs(runs)), r.get("prices", {})) and close(runs, r["runs"])
     summary = reuse_regimes.summarize(runs, r.get("summary_clock", r["clock"]))
-    assert as_json(summary) == r["regimes"]
+    assert close(as_json(summary), r["regimes"])
     speedups = {reg: {v: {f: row[f]["median"] for f in map(str, reuse_regimes.FRACTIONS)}
                       for v, row in s["variants"].items()} for reg, s in summary.items()}
-    assert as_json(speedups) == r["speedup_vs_mu1"]
-    assert as_json(reuse_regimes.medians(reuse_regimes.summarize(r["runs"], "time_s"))) == r["speedup_vs_mu1_wall"]
+    assert close(as_json(speedups), r["speedup_vs_mu1"])
+    assert close(as_json(reuse_regimes.medians(reuse_regimes.summarize(r["runs"], "time_s"))), r["speedup_vs_mu1_wall"])
     for reg, v in r["verdicts"].items():  # the default against mu = 1 and the best fixed mu, to the 80% threshold
         fixed = [x["0.8"] for mu, x in r["speedup_vs_mu1"][reg].items() if mu.isdigit() and x["0.8"] is not None]
         assert v["auto"] == r["speedup_vs_mu1"][reg]["auto"]["0.8"] and v["best_fixed"] == max(fixed, default=None)
