@@ -135,12 +135,14 @@ VARIANTS = {
     "8": ["--num_iterations", "8"],
     "4+kl5e-4": ["--num_iterations", "4", "--reuse_target_kl", "5e-4"],
     "4+kl2e-3": ["--num_iterations", "4", "--reuse_target_kl", "2e-3"],
-    "auto": ["--num_iterations", "auto"],  # mu decided per rollout, at most 4 (recipe/reuse.py)
-    "auto8": ["--num_iterations", "auto", "--reuse_max_iterations", "8"],  # the default before it capped at 4
-    # a candidate: KL_max was set while the cap was 8, to stop passes 5-8; with the cap at 4 it cuts passes 2-4
+    "auto": ["--num_iterations", "auto"],  # mu decided per rollout, at most 4, KL_max 3.6e-3 (recipe/reuse.py)
+    # the default until KL_max doubled: set while the cap was 8, to stop passes 5-8, it cut passes 2-4 at the cap of 4
+    "auto_maxkl1.8e-3": ["--num_iterations", "auto", "--reuse_max_kl", "1.8e-3"],
+    "auto8": ["--num_iterations", "auto", "--reuse_max_iterations", "8", "--reuse_max_kl", "1.8e-3"],  # the first default
+    # the screen's name for today's default (bench/results/reuse_screen_maxkl_priced.json)
     "auto_maxkl3.6e-3": ["--num_iterations", "auto", "--reuse_max_kl", "3.6e-3"],
     # a candidate: the drift rate averaged over recent passes (about 10), so strong-signal rollouts keep their replays
-    "auto_smooth0.1": ["--num_iterations", "auto", "--reuse_drift_smoothing", "0.1"],
+    "auto_smooth0.1": ["--num_iterations", "auto", "--reuse_drift_smoothing", "0.1", "--reuse_max_kl", "1.8e-3"],
 }
 CLOCKS = {"cpu_s": "step_cpu_s", "time_s": "step_time_s"}  # a budget's clock: the metrics key it sums
 # The verdicts' clock: each run's work priced alike (price_runs). A 2-core VM's speed drifts: the same seed's

@@ -108,7 +108,7 @@ class Config:
                                         "pass's mean approximate KL to the sampling policy exceeds this; null = off")
     reuse_max_clip_fraction: float | None = opt(None, "adaptive reuse: the same on the clipped-token fraction")
     reuse_max_iterations: int = opt(4, "auto: the most passes a rollout gets (passes 5-8 measured worth ~0)")
-    reuse_max_kl: float = opt(1.8e-3, "auto: the drift at which a replay is worth nothing; replay while the next "
+    reuse_max_kl: float = opt(3.6e-3, "auto: the drift at which a replay is worth nothing; replay while the next "
                                       "pass's KL < g * this")
     reuse_drift_smoothing: float = opt(1.0, "auto: weight of the pass just done in the drift rate a decision uses "
                                        "(1 = that pass alone; < 1 = a moving average over recent passes)")
