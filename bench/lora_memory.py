@@ -64,7 +64,7 @@ def worker(model_name: str, mode: str, out: str) -> None:
     from recipe.config import Config
 
     rank, world = eng.init_distributed()
-    cfg = Config(use_peft=mode == "lora", learning_rate=1e-4, per_device_train_batch_size=2,
+    cfg = Config(use_peft=mode == "lora", learning_rate=1e-4, per_device_train_batch_size=2, num_iterations=1,
                  **(LORA if mode == "lora" else {}))
     model = build_model(model_name, cfg)
     total = sum(p.numel() for p in model.parameters())

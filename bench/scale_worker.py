@@ -63,7 +63,7 @@ def config(model_dir: str, **overrides):
     from recipe.config import Config
 
     base = dict(model_name_or_path=model_dir, num_generations=2, per_device_train_batch_size=2, learning_rate=1e-5,
-                max_completion_length=512, max_prompt_length=64, bf16=False)
+                num_iterations=1, max_completion_length=512, max_prompt_length=64, bf16=False)
     return Config(**{**base, **overrides})
 
 

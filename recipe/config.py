@@ -98,7 +98,8 @@ class Config:
                              "or mappings {func, weight, kwargs, name}")
     scale_rewards: str = opt("group", "std dividing the centered rewards: group, batch (all ranks) or none")
     # --- GRPO --------------------------------------------------------------------------
-    num_iterations: int | str = opt(1, "mu: optimizer passes over each rollout, or auto: decided after each pass")
+    num_iterations: int | str = opt("auto", "mu: optimizer passes over each rollout, or auto: decided after each "
+                                    "pass, at most reuse_max_iterations (README: Reuse decided per rollout)")
     epsilon: float = opt(0.2, "clip range low: ratios below 1 - epsilon are clipped")
     epsilon_high: float | None = opt(None, "clip range high (1 + epsilon_high); null = epsilon")
     beta: float = opt(0.0, "KL coefficient (k3) against the frozen reference model; 0 = no reference")
