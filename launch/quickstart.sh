@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set everything up and run the default config: 2 ranks (GPUs, or CPU processes), ZeRO-3, mu = 4.
+# Set everything up and run the default config: 2 ranks (GPUs, or CPU processes), ZeRO-3, num_iterations: auto.
 # A demo: running it again starts over in its output folder (--overwrite_output_dir), unless you resume.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,9 +19,12 @@ from recipe.launch import PREEMPTED_EXIT_CODE, rank_env
 from recipe.launch import torchrun as torchrun_cmd
 from recipe.metrics import read_jsonl
 
-# The quickstart's shape (2 ranks, ZeRO-3, mu = 4) made short: 12 steps = 3 rollouts of 4 passes. The learning
-# rate warms up over 8 steps, then decays (cosine): every resume below (from step 3 or 6) crosses the warmup's end.
-RUN = ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "12", "--save_steps", "3",
+# The quickstart's shape (2 ranks, ZeRO-3) at a fixed mu = 4 made short: 12 steps = 3 rollouts of 4 passes (a fixed
+# mu: num_iterations: auto prices g from each run's clock, so two runs need not take the same passes; its resume is
+# tested in test_reuse.py). The learning rate warms up over 8 steps, then decays (cosine): every resume below
+# (from step 3 or 6) crosses the warmup's end.
+RUN = ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--num_iterations", "4",
+       "--max_steps", "12", "--save_steps", "3",
        "--save_total_limit", "0", "--disable_tqdm", "true", "--lr_scheduler_type", "cosine", "--warmup_steps", "8"]
 TIMING = {"tokens_per_s", "step_time_s", "step_cpu_s"}  # and every time_*_s key
 

@@ -93,7 +93,7 @@ def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     and 19; the evaluation's sync is the one the next rollout needed, so the syncs stay one per rollout."""
     out = tmp_path / "qs"
     torchrun(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--generation_backend", "vllm",
-                 "--max_steps", "80", "--vllm_tis_cap", "2.0", "--output_dir", str(out),
+                 "--num_iterations", "4", "--max_steps", "80", "--vllm_tis_cap", "2.0", "--output_dir", str(out),
                  "--disable_tqdm", "true", "--eval_holdout_size", "5", "--eval_steps", "40", "--eval_on_start", "true"],
              timeout=1200)
     records = read_jsonl(out / "metrics.jsonl")
@@ -101,7 +101,7 @@ def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     assert [r["step"] for r in evals] == [0, 40, 80] and all(r["eval/prompts"] == 5 for r in evals)
     records = records[1:]
     assert len(records) == 80
-    # quickstart mu = 4: a sync after each rollout that another follows, timed on the next rollout's first step
+    # mu = 4: a sync after each rollout that another follows, timed on the next rollout's first step
     assert [r["weight_syncs"] for r in records] == [r["generation"] for r in records]
     assert all((r["time_sync_s"] > 0) == (r["iteration"] == 0 and r["generation"] > 0) for r in records)
     assert all(abs(r["is_ratio_mean"] - 1.0) < 1e-3 for r in records), [r["is_ratio_mean"] for r in records]
