@@ -6,7 +6,9 @@ drifts hit every mu alike. Time to a reward threshold is read from each run's ow
 excluded). Threshold: a fraction f of the way from the median first-rollout reward to the best possible
 reward (0 for the length reward); reported for f = 0.5 and 0.8.
 
-    python bench/mu_sweep.py --mus 1 2 4 8 --seeds 0 1 2 --steps 160
+    python bench/mu_sweep.py --mus 1 2 4 8 auto --seeds 0 1 2 --steps 160
+
+`auto` is num_iterations: auto (the default; mu decided per rollout), its steps counted like any mu's.
 """
 from __future__ import annotations
 
@@ -21,14 +23,25 @@ FRACTIONS = (0.5, 0.8)
 SMOOTH = 3  # rollouts in the reward's moving average
 
 
+def mu_arg(value: str) -> int | str:
+    """A fixed mu (an integer >= 1) or auto."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"mu must be an integer >= 1 or auto, got {value!r}")
+    return int(value)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mus", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--mus", type=mu_arg, nargs="+", default=[1, 2, 4, 8, "auto"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=160, help="optimizer steps per run (same for every mu)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more recipe overrides")
     args = ap.parse_args()
+    if 1 not in args.mus:
+        ap.error("--mus must include 1, the baseline of every speed-up")
 
     runs = []
     for i, seed in enumerate(args.seeds):
@@ -42,8 +55,11 @@ def main() -> None:
             recs = read_metrics(out)
             rows = per_generation(recs)
             gen_share = sum(r["time_generate_s"] for r in recs) / sum(r["step_time_s"] for r in recs)
+            passes = [r["passes_used"] for i, r in enumerate(recs)  # at each rollout's last step
+                      if i + 1 == len(recs) or recs[i + 1]["generation"] != r["generation"]]
             runs.append({"mu": mu, "seed": seed, "wall_s": wall, "rows": rows, "generation_share": gen_share,
-                         "clip_ratio_region_mean": statistics.mean(r["clip_ratio_region"] for r in recs)})
+                         "clip_ratio_region_mean": statistics.mean(r["clip_ratio_region"] for r in recs),
+                         "passes_used_mean": statistics.mean(passes)})
             print(f"mu={mu} seed={seed}: {len(rows)} rollouts, {wall:.0f}s, final reward {rows[-1]['reward']:.2f}",
                   flush=True)
 

@@ -31,11 +31,14 @@ def bench(tmp_path, script, *args, timeout=600):
 
 @pytest.mark.slow
 def test_mu_sweep_smoke(tmp_path):
-    bench(tmp_path, "mu_sweep.py", "--mus", "1", "2", "--seeds", "0", "--steps", "4")
+    bench(tmp_path, "mu_sweep.py", "--mus", "1", "2", "auto", "--seeds", "0", "--steps", "4")
     r = json.loads((tmp_path / "mu_sweep.json").read_text())
-    assert set(r["speedup_vs_mu1"]) == {"1", "2"} and "threshold" in r and "threshold_rule" in r
+    assert set(r["speedup_vs_mu1"]) == {"1", "2", "auto"} and "threshold" in r and "threshold_rule" in r
     assert_plot(tmp_path / "mu_sweep.png", 1320, 495)
-    assert [len(run["rows"]) for run in r["runs"]] == [4, 2]  # same steps: mu = 2 generated half the rollouts
+    # same steps: mu = 2 generated half the rollouts; auto replays each rollout at least once (its first pass is
+    # on-policy), so at most half
+    assert [(run["mu"], len(run["rows"])) for run in r["runs"]][:2] == [(1, 4), (2, 2)]
+    assert [run["passes_used_mean"] for run in r["runs"]][:2] == [1, 2] and len(r["runs"][2]["rows"]) <= 2
 
 
 @pytest.mark.slow
