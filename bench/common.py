@@ -73,6 +73,12 @@ def time_to(rows: list[dict], threshold: float, k: int, clock: str = "time_s") -
     return next((r[clock] for r, s in zip(rows, smoothed(rows, k)) if s >= threshold), None)
 
 
+def passes_per_rollout(records: list[dict]) -> list[int]:
+    """The passes each rollout got: passes_used at its last step (the last rollout's: as far as the run went)."""
+    return [r["passes_used"] for i, r in enumerate(records)
+            if i + 1 == len(records) or records[i + 1]["generation"] != r["generation"]]
+
+
 def per_generation(records: list[dict]) -> list[dict]:
     """One row per rollout: its reward and the wall time (sum of step times) at which that reward was known; with
     step_cpu_s in the records also cpu_s, the process CPU time by then (the first step's CPU split as its wall);

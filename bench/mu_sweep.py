@@ -17,7 +17,8 @@ import os
 import statistics
 from pathlib import Path
 
-from common import QUICKSTART, RESULTS, launch, machine, per_generation, read_metrics, save_json, smoothed, time_to
+from common import (QUICKSTART, RESULTS, launch, machine, passes_per_rollout, per_generation, read_metrics, save_json,
+                    smoothed, time_to)
 
 FRACTIONS = (0.5, 0.8)
 SMOOTH = 3  # rollouts in the reward's moving average
@@ -55,11 +56,9 @@ def main() -> None:
             recs = read_metrics(out)
             rows = per_generation(recs)
             gen_share = sum(r["time_generate_s"] for r in recs) / sum(r["step_time_s"] for r in recs)
-            passes = [r["passes_used"] for i, r in enumerate(recs)  # at each rollout's last step
-                      if i + 1 == len(recs) or recs[i + 1]["generation"] != r["generation"]]
             runs.append({"mu": mu, "seed": seed, "wall_s": wall, "rows": rows, "generation_share": gen_share,
                          "clip_ratio_region_mean": statistics.mean(r["clip_ratio_region"] for r in recs),
-                         "passes_used_mean": statistics.mean(passes)})
+                         "passes_used_mean": statistics.mean(passes_per_rollout(recs))})
             print(f"mu={mu} seed={seed}: {len(rows)} rollouts, {wall:.0f}s, final reward {rows[-1]['reward']:.2f}",
                   flush=True)
 

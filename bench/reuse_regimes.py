@@ -44,8 +44,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import (QUICKSTART, REPO, RESULTS, MetricsTail, cost_clock, fit_prices, machine, per_generation, rank_env,
-                    read_metrics, save_json, smoothed, time_to)
+from common import (QUICKSTART, REPO, RESULTS, MetricsTail, cost_clock, fit_prices, machine, passes_per_rollout,
+                    per_generation, rank_env, read_metrics, save_json, smoothed, time_to)
 from reuse_report import FRACTIONS, SMOOTH, medians, plot, tables
 from reuse_store import merge
 
@@ -175,8 +175,7 @@ def run(regime: str, variant: str, seed: int, root: Path, clock: str) -> dict:
     recs = read_metrics(out)
     if not recs or (trained_seconds(recs, clock) < budget and not at_ceiling(recs, stop_at)):
         raise RuntimeError(f"{regime} mu={variant} seed={seed} stopped early; see {out.with_suffix('.log')}")
-    passes = [r["passes_used"] for r in recs if r["step"] == len(recs) or
-              recs[r["step"]]["generation"] != r["generation"]]
+    passes = passes_per_rollout(recs)
     return {"regime": regime, "variant": variant, "seed": seed, "rows": per_generation(recs),
             "generation_share": sum(r["time_generate_s"] for r in recs) / sum(r["step_time_s"] for r in recs),
             "clip_ratio_region_mean": statistics.mean(r["clip_ratio_region"] for r in recs),

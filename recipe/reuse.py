@@ -4,19 +4,19 @@ Fixed mu (`num_iterations: N`): N passes per rollout, unless `reuse_target_kl` (
 to the sampling policy, k3 on the loss's own ratios) or `reuse_max_clip_fraction` (its clipped-token fraction)
 is exceeded, which skips the rollout's remaining passes.
 
-`num_iterations: auto` (the default): a replayed pass costs one pass of training, T_train; a fresh rollout costs T_gen + T_train
-(generation, scoring, weight sync, old log-probs). With g = T_gen / (T_gen + T_train), generation's share of a
-mu = 1 step, a replay pays when it is worth more than 1 - g of a fresh pass. Taking a replay's worth as
-1 - KL / KL_max, KL the drift it will run at and KL_max (`reuse_max_kl`) the drift at which a replay is worth
-nothing, gives: replay while KL_next < g * KL_max, at most `reuse_max_iterations` passes (default 4: the worth
-also falls with the number of passes over the same data: passes 5-8 measured worth about nothing in 6 of the 7
-regimes where plain mu = 8 ran next to mu = 4, even at low drift). KL_next is extrapolated from the pass just done
-(`drift_rate`); with `reuse_drift_smoothing` < 1 the rate is a moving average over recent passes instead, so a
-strong-signal rollout, which drifts further per update, is not singled out for fewer replays (screened, not
-adopted: bench/README.md). The worth reaches zero at a finite drift: however dear generation is, a replay never
-runs past KL_max (an earlier worth, 1 / (1 + KL / kappa), never reached zero and let generation-dominated runs
-replay to KL 5e-3, where passes 5-8 paid nothing). A rollout whose every group has equal rewards is never
-replayed: all its advantages are 0, so a replay has no gradient to follow.
+`num_iterations: auto` (the default): a replayed pass costs one pass of training, T_train; a fresh rollout costs
+T_gen + T_train (generation, scoring, weight sync, old log-probs). With g = T_gen / (T_gen + T_train),
+generation's share of a mu = 1 step, a replay pays when it is worth more than 1 - g of a fresh pass. Taking a
+replay's worth as 1 - KL / KL_max, KL the drift it will run at and KL_max (`reuse_max_kl`) the drift at which a
+replay is worth nothing, gives: replay while KL_next < g * KL_max, at most `reuse_max_iterations` passes (default
+4: the worth also falls with the number of passes over the same data: passes 5-8 measured worth about nothing in 6
+of the 7 regimes where plain mu = 8 ran next to mu = 4, even at low drift). KL_next is extrapolated from the pass
+just done (`drift_rate`); with `reuse_drift_smoothing` < 1 the rate is a moving average over recent passes
+instead, so a strong-signal rollout, which drifts further per update, is not singled out for fewer replays
+(screened, not adopted: bench/README.md). The worth reaches zero at a finite drift: however dear generation is, a
+replay never runs past KL_max (an earlier worth, 1 / (1 + KL / kappa), never reached zero and let
+generation-dominated runs replay to KL 5e-3, where passes 5-8 paid nothing). A rollout whose every group has equal
+rewards is never replayed: all its advantages are 0, so a replay has no gradient to follow.
 
 g / (1 - g) = T_gen / T_train is priced per rollout from its own size: T_gen = a * decoding steps, T_train =
 b * tokens trained per pass, so g follows the rollout as completions grow or shrink. The clock gives only the
