@@ -24,6 +24,7 @@ with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's
     python bench/reuse_regimes.py --regimes vowel_b8_lr3e-4 --variants 1 4 8 auto8 --keep
     # the most generation-dominated regimes (g = 0.86), every variant, six seeds
     python bench/reuse_regimes.py --regimes vowel_b4_lr1e-3 noe_b4_lr1e-3 --variants 1 2 4 8 auto8 auto --seeds 0 1 2 3 4 5 --keep
+    python bench/reuse_regimes.py --regimes noe_b16_gather_lr3e-4 --variants 1 2 4 8 auto auto8 auto_cap8 --keep
     # the default, num_iterations: auto (at most 4 passes), everywhere
     python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants auto --budget_scale 2 --keep
     python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 h128_short_lr3e-4 h128_long_lr6e-4 \
@@ -125,6 +126,11 @@ REGIMES.update({
                        "budget_s": 840, "stop_at": 0.99,
                        "about": "vowel_b16_lr3e-4's shape, a trap-free reward (share of characters not an e): "
                                 "256 new tokens, G = 4, 16 completions/step, lr 3e-4"},
+    # the >= 4x target's regime: the same with ZeRO-3 generation gathering layer by layer (what a model too large
+    # to gather whole takes) slows decoding about 3x and leaves training put: g = 0.92 with 16 completions per step
+    "noe_b16_gather_lr3e-4": {"args": [*NOE, "--per_device_train_batch_size", "16", "--learning_rate", "3e-4",
+                                       "--hf_generation_gather", "per_layer"], "budget_s": 1500, "stop_at": 0.99,
+                              "about": "noe_b16_lr3e-4 with ZeRO-3 generation gathering layer by layer (g 0.92)"},
 })
 # the default's cap of 4 passes was read off the fixed mu = 4 and 8 columns, mid_lr6e-4's among them
 DESIGNED_ON.add("mid_lr6e-4")
@@ -139,6 +145,7 @@ VARIANTS = {
     # the default until KL_max doubled: set while the cap was 8, to stop passes 5-8, it cut passes 2-4 at the cap of 4
     "auto_maxkl1.8e-3": ["--num_iterations", "auto", "--reuse_max_kl", "1.8e-3"],
     "auto8": ["--num_iterations", "auto", "--reuse_max_iterations", "8", "--reuse_max_kl", "1.8e-3"],  # the first default
+    "auto_cap8": ["--num_iterations", "auto", "--reuse_max_iterations", "8"],  # the default with the cap of 8
     # the screen's name for today's default (bench/results/reuse_screen_maxkl_priced.json)
     "auto_maxkl3.6e-3": ["--num_iterations", "auto", "--reuse_max_kl", "3.6e-3"],
     # a candidate: the drift rate averaged over recent passes (about 10), so strong-signal rollouts keep their replays
