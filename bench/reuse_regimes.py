@@ -4,8 +4,7 @@ A regime is a learning rate and a generation share (completion length, completio
 model width for the regimes added to test the default. In each regime every variant (fixed mu = 1, 2, 4, 8, mu = 4
 with a fixed KL target, `num_iterations: auto`, and auto8: auto with at most 8 passes) trains for the same budget
 of training time (start-up excluded; process CPU seconds by default, so other jobs on the machine do not decide
-it), one rank, ZeRO-3, a tiny Qwen2 model. Variants rotate their order within each seed and `--jobs 2` runs two at
-once (one thread each), so load hits every variant alike.
+it), one rank, ZeRO-3, a tiny Qwen2 model. Variants rotate their order within each seed and `--jobs 2` runs two at once.
 
 Thresholds (per regime): a fraction f in {0.5, 0.8, 0.9} of the way from the median first-rollout reward
 to the best 4-rollout moving average reached by any run of that regime. Time to a threshold: the training time
@@ -25,6 +24,7 @@ with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's
     # the most generation-dominated regimes (g = 0.86), every variant, six seeds
     python bench/reuse_regimes.py --regimes vowel_b4_lr1e-3 noe_b4_lr1e-3 --variants 1 2 4 8 auto8 auto --seeds 0 1 2 3 4 5 --keep
     python bench/reuse_regimes.py --regimes noe_b16_gather_lr3e-4 --variants 1 2 4 8 auto auto8 auto_cap8 --keep
+    python bench/reuse_regimes.py --regimes noe_b16_gather_lr1.5e-4 --variants 1 4 8 auto auto_cap8 --keep
     # the default, num_iterations: auto (at most 4 passes), everywhere
     python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants auto --budget_scale 2 --keep
     python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 h128_short_lr3e-4 h128_long_lr6e-4 \
@@ -131,6 +131,10 @@ REGIMES.update({
     "noe_b16_gather_lr3e-4": {"args": [*NOE, "--per_device_train_batch_size", "16", "--learning_rate", "3e-4",
                                        "--hf_generation_gather", "per_layer"], "budget_s": 1500, "stop_at": 0.99,
                               "about": "noe_b16_lr3e-4 with ZeRO-3 generation gathering layer by layer (g 0.92)"},
+    # at half the learning rate a pass moves the policy half as far: built for >= 4x, where passes 5-8 pay
+    "noe_b16_gather_lr1.5e-4": {"args": [*NOE, "--per_device_train_batch_size", "16", "--learning_rate", "1.5e-4",
+                                         "--hf_generation_gather", "per_layer"], "budget_s": 3000, "stop_at": 0.99,
+                                "about": "noe_b16_gather_lr3e-4 at half the learning rate (g 0.92)"},
 })
 # the default's cap of 4 passes was read off the fixed mu = 4 and 8 columns, mid_lr6e-4's among them
 DESIGNED_ON.add("mid_lr6e-4")
