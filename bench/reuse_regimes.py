@@ -2,7 +2,7 @@
 
 A regime is a learning rate and a generation share (completion length, completions per step), plus reward and
 model width for the regimes added to test the default. In each regime every variant (fixed mu = 1, 2, 4, 8, mu = 4
-with a fixed KL target, `num_iterations: auto`, and auto8: auto with at most 8 passes) trains for the same budget
+with a fixed KL target, `num_iterations: auto`, and earlier forms of it) trains for the same budget
 of training time (start-up excluded; process CPU seconds by default, so other jobs on the machine do not decide
 it), one rank, ZeRO-3, a tiny Qwen2 model. Variants rotate their order within each seed and `--jobs 2` runs two at once.
 
@@ -23,12 +23,14 @@ with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's
     python bench/reuse_regimes.py --regimes vowel_b8_lr3e-4 --variants 1 4 8 auto8 --keep
     # the most generation-dominated regimes (g = 0.86), every variant, six seeds
     python bench/reuse_regimes.py --regimes vowel_b4_lr1e-3 noe_b4_lr1e-3 --variants 1 2 4 8 auto8 auto --seeds 0 1 2 3 4 5 --keep
-    python bench/reuse_regimes.py --regimes noe_b16_gather_lr3e-4 --variants 1 2 4 8 auto auto8 auto_cap8 --keep
-    python bench/reuse_regimes.py --regimes noe_b16_gather_lr1.5e-4 --variants 1 4 8 auto auto_cap8 --keep
-    # the default, num_iterations: auto (at most 4 passes), everywhere
-    python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants auto --budget_scale 2 --keep
+    python bench/reuse_regimes.py --regimes noe_b16_gather_lr3e-4 --variants 1 2 4 8 auto auto_cap4 auto8 --keep
+    python bench/reuse_regimes.py --regimes noe_b16_gather_lr1.5e-4 --variants 1 4 8 auto auto_cap4 --keep
+    # the default, num_iterations: auto (at most 8 passes), everywhere; auto_cap4 (the default until 2026-12-04) too
+    python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants auto auto_cap4 --budget_scale 2 --keep
     python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 h128_short_lr3e-4 h128_long_lr6e-4 \
-        space_b16_lr1e-3 mid_lr6e-4 vowel_b8_lr3e-4 vowel_b16_lr3e-4 --variants auto --keep
+        space_b16_lr1e-3 mid_lr6e-4 vowel_b8_lr3e-4 vowel_b16_lr3e-4 noe_b16_lr3e-4 --variants auto auto_cap4 --keep
+    python bench/reuse_regimes.py --regimes h128_short_lr3e-4 --variants 1 2 4 auto auto_cap4 --seeds 3 4 5 --keep
+    python bench/reuse_regimes.py --regimes trl_lr1e-3 --variants 1 2 auto auto_cap4 --seeds 6 7 8 9 10 11 --keep
 
 (`--keep` adds to the existing result file, replacing only the (regime, variant, seed) runs it runs; the JSON's
 `commands` lists the invocations its runs come from, in the order they ran.)
@@ -138,6 +140,8 @@ REGIMES.update({
 })
 # the default's cap of 4 passes was read off the fixed mu = 4 and 8 columns, mid_lr6e-4's among them
 DESIGNED_ON.add("mid_lr6e-4")
+# the cap of 8 replaced it after the default failed noe_b16_gather_lr1.5e-4 and auto_cap8 was measured in both
+DESIGNED_ON.update({"noe_b16_gather_lr3e-4", "noe_b16_gather_lr1.5e-4"})
 VARIANTS = {
     "1": ["--num_iterations", "1"],
     "2": ["--num_iterations", "2"],
@@ -145,15 +149,17 @@ VARIANTS = {
     "8": ["--num_iterations", "8"],
     "4+kl5e-4": ["--num_iterations", "4", "--reuse_target_kl", "5e-4"],
     "4+kl2e-3": ["--num_iterations", "4", "--reuse_target_kl", "2e-3"],
-    "auto": ["--num_iterations", "auto"],  # mu decided per rollout, at most 4, KL_max 3.6e-3 (recipe/reuse.py)
+    "auto": ["--num_iterations", "auto"],  # the default: mu decided per rollout, at most 8, KL_max 3.6e-3 (recipe/reuse.py)
+    # the default until 2026-12-04 (at most 4 passes); its runs were the map's `auto` until then
+    "auto_cap4": ["--num_iterations", "auto", "--reuse_max_iterations", "4"],
     # the default until KL_max doubled: set while the cap was 8, to stop passes 5-8, it cut passes 2-4 at the cap of 4
-    "auto_maxkl1.8e-3": ["--num_iterations", "auto", "--reuse_max_kl", "1.8e-3"],
+    "auto_maxkl1.8e-3": ["--num_iterations", "auto", "--reuse_max_kl", "1.8e-3", "--reuse_max_iterations", "4"],
     "auto8": ["--num_iterations", "auto", "--reuse_max_iterations", "8", "--reuse_max_kl", "1.8e-3"],  # the first default
-    "auto_cap8": ["--num_iterations", "auto", "--reuse_max_iterations", "8"],  # the default with the cap of 8
-    # the screen's name for today's default (bench/results/reuse_screen_maxkl_priced.json)
-    "auto_maxkl3.6e-3": ["--num_iterations", "auto", "--reuse_max_kl", "3.6e-3"],
+    # the screen's name for the cap-4 default (bench/results/reuse_screen_maxkl_priced.json)
+    "auto_maxkl3.6e-3": ["--num_iterations", "auto", "--reuse_max_kl", "3.6e-3", "--reuse_max_iterations", "4"],
     # a candidate: the drift rate averaged over recent passes (about 10), so strong-signal rollouts keep their replays
-    "auto_smooth0.1": ["--num_iterations", "auto", "--reuse_drift_smoothing", "0.1", "--reuse_max_kl", "1.8e-3"],
+    "auto_smooth0.1": ["--num_iterations", "auto", "--reuse_drift_smoothing", "0.1", "--reuse_max_kl", "1.8e-3",
+                       "--reuse_max_iterations", "4"],
 }
 CLOCKS = {"cpu_s": "step_cpu_s", "time_s": "step_time_s"}  # a budget's clock: the metrics key it sums
 # The verdicts' clock: each run's work priced alike (price_runs). A 2-core VM's speed drifts: the same seed's

@@ -108,7 +108,8 @@ class Config:
     reuse_target_kl: float | None = opt(None, "adaptive reuse at a fixed mu: skip a rollout's remaining passes once a "
                                         "pass's mean approximate KL to the sampling policy exceeds this; null = off")
     reuse_max_clip_fraction: float | None = opt(None, "adaptive reuse: the same on the clipped-token fraction")
-    reuse_max_iterations: int = opt(4, "auto: the most passes a rollout gets (passes 5-8 measured worth ~0)")
+    reuse_max_iterations: int = opt(8, "auto: the most passes a rollout gets (within it the KL rule decides; "
+                                       "4 until 2026-12-04)")
     reuse_max_kl: float = opt(3.6e-3, "auto: the drift at which a replay is worth nothing; replay while the next "
                                       "pass's KL < g * this")
     reuse_drift_smoothing: float = opt(1.0, "auto: weight of the pass just done in the drift rate a decision uses "

@@ -9,8 +9,10 @@ T_gen + T_train (generation, scoring, weight sync, old log-probs). With g = T_ge
 generation's share of a mu = 1 step, a replay pays when it is worth more than 1 - g of a fresh pass. Taking a
 replay's worth as 1 - KL / KL_max, KL the drift it will run at and KL_max (`reuse_max_kl`) the drift at which a
 replay is worth nothing, gives: replay while KL_next < g * KL_max, at most `reuse_max_iterations` passes (default
-4: the worth also falls with the number of passes over the same data: passes 5-8 measured worth about nothing in 6
-of the 7 regimes where plain mu = 8 ran next to mu = 4, even at low drift). KL_next is extrapolated from the pass
+8, the largest mu the benchmark map measured: within it the KL rule decides. The cap was 4 until 2026-12-04, read
+off plain mu = 8, which takes every pass however far it drifts; it stopped passes 5-8 where they pay, at a high g
+and a small step, and the map rerun with the cap of 8 passed both of issue #21's bars in every regime:
+bench/README.md). KL_next is extrapolated from the pass
 just done (`drift_rate`); with `reuse_drift_smoothing` < 1 the rate is a moving average over recent passes
 instead, so a strong-signal rollout, which drifts further per update, is not singled out for fewer replays
 (screened, not adopted: bench/README.md). The worth reaches zero at a finite drift: however dear generation is, a
