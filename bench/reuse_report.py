@@ -10,6 +10,13 @@ FRACTIONS = (0.5, 0.8, 0.9)
 SMOOTH = 4
 
 
+def against(v: dict) -> str:
+    """The default against the best fixed mu of a verdict, or that none got there."""
+    if v["best_fixed"] is None:
+        return "no fixed mu got there"
+    return f"{v['auto_over_best'] or 0:.2f} of the best fixed mu (mu = {v['best_fixed_mu']}, {v['best_fixed']:.2f}x)"
+
+
 def tables(summary: dict, verdicts_cpu_s: dict | None = None) -> str:
     """bench/README.md's tables, one per regime, from the summary (`--tables`); on the priced clock, the verdict on
     CPU seconds beside it."""
@@ -44,14 +51,12 @@ def tables(summary: dict, verdicts_cpu_s: dict | None = None) -> str:
                        f"{'' if e is None else f'{e:.2f}'} | {stall(row)} |")
         if "verdict" in r:
             v = r["verdict"]
-            out.append(f"\nauto to 80%: {v['auto'] or 0:.2f}x mu = 1, {v['auto_over_best'] or 0:.2f} of the best fixed "
-                       f"mu (mu = {v['best_fixed_mu']}, {v['best_fixed'] or 0:.2f}x): no later than mu = 1 "
+            out.append(f"\nauto to 80%: {v['auto'] or 0:.2f}x mu = 1, {against(v)}: no later than mu = 1 "
                        f"{'yes' if v['no_later_than_mu1'] else 'NO'}, within 10% of the best "
                        f"{'yes' if v['within_10pct_of_best'] else 'NO'}")
             if r["clock"] == "cost_s" and regime in (verdicts_cpu_s or {}):
                 c = verdicts_cpu_s[regime]
-                out[-1] += (f" (on CPU seconds: {c['auto'] or 0:.2f}x mu = 1, {c['auto_over_best'] or 0:.2f} of mu = "
-                            f"{c['best_fixed_mu']}'s {c['best_fixed'] or 0:.2f}x)")
+                out[-1] += f" (on CPU seconds: {c['auto'] or 0:.2f}x mu = 1, {against(c)})"
         out.append("")
     return "\n".join(out)
 
