@@ -257,3 +257,18 @@ def test_resume_config_check_ignores_fields_added_later_at_their_default(tmp_pat
     Checkpointer(Config(), 0, 1).check_config(folder)
     with pytest.raises(CheckpointError, match=r"the config differs in stop: \[\] -> \['x'\]"):
         Checkpointer(Config(stop=["x"]), 0, 1).check_config(folder)
+
+
+def test_a_checkpoint_from_the_cap_of_4_names_the_flag_that_resumes_it(tmp_path):
+    """num_iterations: auto's default cap went from 4 to 8 passes (2026-12-04): a run saved under the old default
+    is refused with the field named (the README's advice: resume with --reuse_max_iterations 4), and resumes so."""
+    import json
+
+    from recipe.config import Config
+
+    folder = tmp_path / "step-1"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"config": Config(reuse_max_iterations=4).to_dict(), "world_size": 1}))
+    with pytest.raises(CheckpointError, match=r"the config differs in reuse_max_iterations: 4 -> 8"):
+        Checkpointer(Config(), 0, 1).check_config(folder)
+    Checkpointer(Config(reuse_max_iterations=4), 0, 1).check_config(folder)
