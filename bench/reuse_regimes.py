@@ -13,27 +13,10 @@ median over seeds; a run that never reaches a threshold counts as taking longer 
 speed-up over a mu = 1 run that never got there is a lower bound, reported as budget / t). Verdict per regime
 with auto: its speed-up to 80% against 1.0 and against 0.9 x the best fixed mu's.
 
-    # a designed-on regime, every variant rerun on the priced clock
-    python bench/reuse_regimes.py --regimes vowel_b16_lr3e-4 --variants 1 4 auto8 auto --keep
-    # every other regime: fixed mu and auto8 (auto with the former cap of 8 passes), CPU-second budgets
-    python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 --variants 1 2 4 8 auto8 --keep
-    python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants 1 2 4 8 auto8 --budget_scale 2 --keep
-    python bench/reuse_regimes.py --regimes h128_short_lr3e-4 h128_long_lr6e-4 space_b16_lr1e-3 --variants 1 2 4 auto8 --keep
-    python bench/reuse_regimes.py --regimes mid_lr6e-4 --variants 1 2 4 8 auto8 --keep
-    python bench/reuse_regimes.py --regimes vowel_b8_lr3e-4 --variants 1 4 8 auto8 --keep
-    # the most generation-dominated regimes (g = 0.86), every variant, six seeds
-    python bench/reuse_regimes.py --regimes vowel_b4_lr1e-3 noe_b4_lr1e-3 --variants 1 2 4 8 auto8 auto --seeds 0 1 2 3 4 5 --keep
-    python bench/reuse_regimes.py --regimes noe_b16_gather_lr3e-4 --variants 1 2 4 8 auto auto_cap4 auto8 --keep
-    python bench/reuse_regimes.py --regimes noe_b16_gather_lr1.5e-4 --variants 1 4 8 auto auto_cap4 --keep
-    # the default, num_iterations: auto (at most 8 passes), everywhere; auto_cap4 (the default until 2026-12-04) too
-    python bench/reuse_regimes.py --regimes short_lr3e-4 short_lr1e-4 --variants auto auto_cap4 --budget_scale 2 --keep
-    python bench/reuse_regimes.py --regimes trl_lr1e-3 long_lr1e-3 long_g4_lr3e-4 h128_short_lr3e-4 h128_long_lr6e-4 \
-        space_b16_lr1e-3 mid_lr6e-4 vowel_b8_lr3e-4 vowel_b16_lr3e-4 noe_b16_lr3e-4 --variants auto auto_cap4 --keep
-    python bench/reuse_regimes.py --regimes h128_short_lr3e-4 --variants 1 2 4 auto auto_cap4 --seeds 3 4 5 --keep
-    python bench/reuse_regimes.py --regimes trl_lr1e-3 --variants 1 2 auto auto_cap4 --seeds 6 7 8 9 10 11 --keep
+    python bench/reuse_regimes.py --regimes noe_b4_lr1e-3 --variants 1 2 4 8 auto --seeds 0 1 2 3 4 5 --keep
 
-(`--keep` adds to the existing result file, replacing only the (regime, variant, seed) runs it runs; the JSON's
-`commands` lists the invocations its runs come from, in the order they ran.)
+(`--keep` adds to the existing result file, replacing only the (regime, variant, seed) runs it runs.) The
+invocations that made bench/results/reuse_regimes.json, in the order they ran: its `commands`, and bench/README.md.
 """
 from __future__ import annotations
 
