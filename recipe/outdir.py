@@ -5,6 +5,10 @@
 - A folder that already holds a run's outputs (metrics, checkpoints, a final model) is refused unless the
   config says `resume_from_checkpoint` (continue that run) or `overwrite_output_dir` (remove the recipe's
   own outputs, nothing else in the folder).
+- Nothing this recipe did not write is ever deleted. `run.json` is the proof of authorship: it is written
+  before anything else, and it lists the tracker files the runs created (`written`). Without it, files at
+  the names the recipe writes to are another tool's: a run that would write into them is refused, and
+  nothing is removed. Whatever is removed is named on stderr.
 - `run.json` records the run's lineage: the segments (one per start) that led to the current state, each
   with the step it started from. Checkpoints record the segment that wrote them, so resuming, pruning and
   `latest` consider only this lineage's checkpoints (not those of a branch abandoned by resuming from an
@@ -28,9 +32,10 @@ from recipe.config import Config
 
 LOCK_NAME = "run.lock"
 RECORD_NAME = "run.json"
-# Everything the recipe writes into OUTPUT_DIR; overwrite removes exactly these.
-OWNED = ("metrics.jsonl", "completions.jsonl", "checkpoints", "final", "final.tmp", "final-merged",
-         "final-merged.tmp", "tensorboard", "wandb", RECORD_NAME)
+# The files and folders at fixed names the recipe writes into OUTPUT_DIR (trackers' files are listed in run.json's
+# `written`; inside checkpoints/ only the recipe's step folders, their temporary forms and `latest`).
+FIXED = ("metrics.jsonl", "completions.jsonl", "final", "final.tmp", "final-merged", "final-merged.tmp")
+CHECKPOINT_PATTERNS = ("step-*", ".tmp-step-*", "latest", "latest.tmp")
 
 
 class OutputDirError(RuntimeError):
@@ -104,29 +109,73 @@ def data_outputs(folder: Path) -> list[str]:
     return found
 
 
-def remove_owned(folder: Path) -> list[str]:
-    """Remove the recipe's own outputs (OWNED) and nothing else; returns what was removed."""
+def own_names(folder: Path) -> list[str]:
+    """The entries of `folder` at the recipe's fixed names (FIXED and checkpoints/CHECKPOINT_PATTERNS)."""
+    found = [name for name in FIXED if (folder / name).exists() or (folder / name).is_symlink()]
+    ckpts = folder / "checkpoints"
+    if ckpts.is_dir():
+        found += sorted({f"checkpoints/{p.name}" for pat in CHECKPOINT_PATTERNS for p in ckpts.glob(pat)})
+    return found
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def remove_recorded(folder: Path, record: dict) -> list[str]:
+    """Remove what runs of this recipe wrote into `folder` (its fixed names and run.json's `written`), and the
+    folders they leave empty; nothing else. Returns what was removed."""
     removed = []
-    for name in OWNED:
-        p = folder / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
-            p.unlink()
-        else:
-            continue
-        removed.append(name)
+    for rel in [*own_names(folder), *record.get("written", []), RECORD_NAME]:
+        path = folder / rel
+        if path.exists() or path.is_symlink():
+            _remove(path)
+            removed.append(rel)
+    for sub in ("checkpoints", "tensorboard", "wandb"):
+        d = folder / sub
+        if d.is_dir() and not d.is_symlink():
+            for link in d.iterdir():  # wandb's latest-run and debug.log links into a removed run
+                if link.is_symlink() and not link.exists():
+                    link.unlink()
+            if not any(d.iterdir()) and any(r == sub or r.startswith(sub + "/") for r in removed):
+                d.rmdir()
     return removed
 
 
-def read_lineage(folder: Path) -> list[dict] | None:
+def read_record(folder: Path) -> dict | None:
+    """run.json, or None when there is none (no run of this recipe wrote into the folder)."""
     try:
-        return json.loads((folder / RECORD_NAME).read_text())["lineage"]
+        record = json.loads((folder / RECORD_NAME).read_text())
+        record["lineage"]  # noqa: B018 -- a run.json without a lineage is not ours
+        return record
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise OutputDirError(f"{folder / RECORD_NAME} is unreadable ({e}); pass --overwrite_output_dir true to "
                              f"start over or choose another output_dir") from None
+
+
+def read_lineage(folder: Path) -> list[dict] | None:
+    record = read_record(folder)
+    return None if record is None else record["lineage"]
+
+
+def write_record(folder: Path, record: dict) -> None:
+    tmp = folder / f"{RECORD_NAME}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, folder / RECORD_NAME)
+
+
+def record_written(folder: Path, paths: list[Path]) -> None:
+    """Add files a tracker created to run.json's `written` (rank 0), so that an overwrite removes them and only
+    them."""
+    record = read_record(folder) or {"lineage": []}
+    rels = [str(Path(p).resolve().relative_to(folder.resolve())) for p in paths]
+    record["written"] = sorted(set(record.get("written", [])) | set(rels))
+    write_record(folder, record)
 
 
 def _summary(names: list[str]) -> str:
@@ -139,14 +188,23 @@ def decide(cfg: Config, folder: Path, find, checkpoint_run_id) -> Claim:
     `find(lineage)` is the checkpoint to resume from per `resume_from_checkpoint` among that lineage's
     (None: nothing to resume); `checkpoint_run_id(path)` the segment that wrote a checkpoint.
     """
-    # no run.json (outputs from before it existed, or checkpoints copied in by hand): any checkpoint counts
-    outputs, lineage = data_outputs(folder), read_lineage(folder)
+    # no run.json (checkpoints copied in by hand, or another tool's files): any checkpoint counts for resuming,
+    # and nothing in the folder is the recipe's to remove
+    outputs, record = data_outputs(folder), read_record(folder)
+    lineage = None if record is None else record["lineage"]
+    written = [] if record is None else record.get("written", [])
+    foreign = own_names(folder) if record is None else []
     resume_from = None
     if cfg.overwrite_output_dir:
-        removed = remove_owned(folder)
-        if outputs:
-            print(f"overwrite_output_dir: removed {', '.join(removed)} from {folder}", file=sys.stderr)
-        lineage = []
+        if foreign:
+            raise OutputDirError(f"overwrite_output_dir: output_dir {folder} holds {_summary(foreign)}, but no "
+                                 f"{RECORD_NAME} says this recipe wrote them, so nothing was removed: move them or "
+                                 f"choose another output_dir")
+        removed = remove_recorded(folder, record or {})
+        if removed:
+            print(f"overwrite_output_dir: removed the previous run's {_summary(removed)} from {folder} "
+                  f"(nothing else)", file=sys.stderr)
+        lineage, written = [], []
     elif cfg.resume_from_checkpoint:
         resume_from = find(lineage)
         if resume_from is None and outputs:
@@ -168,13 +226,21 @@ def decide(cfg: Config, folder: Path, find, checkpoint_run_id) -> Claim:
                              f"--resume_from_checkpoint auto to continue it, --overwrite_output_dir true to replace "
                              f"them (nothing else in the folder is touched), or choose another output_dir")
     if not outputs and not cfg.overwrite_output_dir:
-        remove_owned(folder)  # leftovers of a run that wrote no data (an empty metrics file, a temp folder)
+        blocking = [n for n in foreign if n in FIXED or n.startswith("checkpoints/latest")]
+        if blocking:  # another tool's files at the names this run writes to: never append to or replace them
+            raise OutputDirError(f"output_dir {folder} holds {_summary(blocking)}, which this run would write, but "
+                                 f"no {RECORD_NAME} says this recipe wrote them; nothing was touched: move them or "
+                                 f"choose another output_dir")
+        if record is not None:  # leftovers of a run of this recipe that wrote no data (an empty metrics file, ...)
+            removed = remove_recorded(folder, record)
+            if [r for r in removed if r != RECORD_NAME]:
+                print(f"removed {_summary([r for r in removed if r != RECORD_NAME])} from {folder}: left by an "
+                      f"earlier run of this recipe that recorded no step", file=sys.stderr)
+            written = []
     run_id = uuid.uuid4().hex[:12]
     from_step = json.loads((resume_from / "meta.json").read_text())["step"] if resume_from is not None else 0
     lineage = [*(lineage or []), {"run_id": run_id, "from_step": from_step}]
-    tmp = folder / f"{RECORD_NAME}.tmp"
-    tmp.write_text(json.dumps({"lineage": lineage}, indent=1))
-    os.replace(tmp, folder / RECORD_NAME)
+    write_record(folder, {"lineage": lineage, "written": written})
     return Claim(run_id, lineage, resume_from)
 
 

@@ -14,7 +14,10 @@ class TensorBoard:
     def __init__(self, output_dir: Path, cfg):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+        folder = output_dir / "tensorboard"
+        before = set(folder.iterdir()) if folder.is_dir() else set()
+        self.writer = SummaryWriter(str(folder))
+        self.written = sorted(set(folder.iterdir()) - before)  # its events file: the only one an overwrite removes
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         for k, v in values.items():
@@ -38,6 +41,7 @@ class Wandb:
 
         self.wandb = wandb
         self.run = wandb.init(project=cfg.wandb_project, name=cfg.run_name, dir=str(output_dir), config=cfg.to_dict())
+        self.written = [Path(self.run.dir).parent]  # wandb/run-... (or offline-run-...): this run's folder only
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -57,4 +61,11 @@ TRACKER_CLASSES = {"tensorboard": TensorBoard, "wandb": Wandb}
 
 
 def build_trackers(report_to: list[str], output_dir: Path, cfg) -> list:
-    return [TRACKER_CLASSES[name](output_dir, cfg) for name in report_to if name != "none"]
+    """The trackers, their files recorded in run.json so that an overwrite removes them and nothing else."""
+    from recipe.outdir import record_written
+
+    trackers = [TRACKER_CLASSES[name](output_dir, cfg) for name in report_to if name != "none"]
+    written = [p for t in trackers for p in t.written]
+    if written:
+        record_written(output_dir, written)
+    return trackers

@@ -46,7 +46,7 @@ def saved(out):
 def test_rerun_without_resume_is_refused_and_overwrite_replaces_only_the_runs_outputs(tmp_path):
     out = tmp_path / "out"
     run(out, "--log_completions_steps", "3", "--report_to", "tensorboard")
-    (out / "wandb" / "offline-run-1").mkdir(parents=True)  # where report_to wandb writes (its own files)
+    (out / "wandb" / "offline-run-1").mkdir(parents=True)  # another wandb run's: no run of this recipe wrote it
     (out / "notes.txt").write_text("mine")  # the user's, not the recipe's
     before = snapshot(out)
     proc = run(out, "--max_steps", "2", check=False)
@@ -61,7 +61,50 @@ def test_rerun_without_resume_is_refused_and_overwrite_replaces_only_the_runs_ou
     assert steps(out) == [1, 2, 3, 4] and saved(out) == ["step-00000002", "step-00000004"]
     assert (out / "checkpoints" / "latest").read_text() == "step-00000004"
     assert (out / "notes.txt").read_text() == "mine" and (out / "final" / "config.json").exists()
-    assert not any((out / name).exists() for name in ("completions.jsonl", "tensorboard", "wandb"))  # the old run's
+    assert not any((out / name).exists() for name in ("completions.jsonl", "tensorboard"))  # the old run's
+    assert (out / "wandb" / "offline-run-1").is_dir()  # not this recipe's: kept
+
+
+OTHER_TOOLS = {"wandb/run-20261204_1200-abc/files/files.txt": "w", "tensorboard/events.out.tfevents.1.host": "t",
+               "checkpoints/epoch=3.ckpt": "c"}
+
+
+def put(out, files):
+    for rel, text in files.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(text)
+
+
+def test_a_fresh_start_never_deletes_other_tools_files(tmp_path):
+    """Issue #41.1: another tool's wandb, tensorboard and checkpoint files in output_dir survive a fresh start,
+    and a file at a name this run writes to (completions.jsonl) stops it before anything is touched."""
+    out = tmp_path / "out"
+    put(out, {**OTHER_TOOLS, "completions.jsonl": '{"theirs": 1}\n'})
+    before = snapshot(out)
+    proc = run(out, "--max_steps", "2", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = [ln for ln in proc.stderr.splitlines() if "completions.jsonl, which this run would write" in ln]
+    assert line and "no run.json says this recipe wrote them" in line[0] and "Traceback" not in proc.stderr
+    assert snapshot(out) == before
+    (out / "completions.jsonl").unlink()
+    run(out, "--max_steps", "2", "--report_to", "tensorboard", "--log_completions_steps", "1")
+    assert steps(out) == [1, 2]
+    assert all((out / rel).read_text() == text for rel, text in OTHER_TOOLS.items())
+    # an overwrite removes this recipe's outputs (its own tensorboard file included) and keeps theirs
+    proc = run(out, "--max_steps", "1", "--overwrite_output_dir", "true")
+    assert "overwrite_output_dir: removed the previous run's" in proc.stderr, proc.stderr[-2000:]
+    assert all((out / rel).read_text() == text for rel, text in OTHER_TOOLS.items())
+    assert sorted(p.name for p in (out / "tensorboard").iterdir()) == ["events.out.tfevents.1.host"]
+    assert steps(out) == [1] and not (out / "completions.jsonl").exists()
+
+
+def test_overwrite_without_a_record_of_this_recipe_removes_nothing(tmp_path):
+    out = tmp_path / "out"
+    put(out, {**OTHER_TOOLS, "metrics.jsonl": '{"step": 7}\n', "final/model.safetensors": "x"})
+    before = snapshot(out)
+    proc = run(out, "--max_steps", "1", "--overwrite_output_dir", "true", check=False)
+    assert proc.returncode == 2 and "nothing was removed" in proc.stderr, proc.stderr[-2000:]
+    assert snapshot(out) == before
 
 
 def test_resume_from_an_earlier_checkpoint_then_auto_follows_the_new_branch(tmp_path):

@@ -92,6 +92,8 @@ def test_wandb_offline_run_holds_the_metrics_and_config_and_no_secret(tmp_path, 
     wb.table("completions", ROWS, 2)
     wb.close()
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    # recorded as this run's (an overwrite removes that folder, never another wandb run beside it)
+    assert json.loads((tmp_path / "run.json").read_text())["written"] == [f"wandb/{run_dir.name}"]
     history = wandb_history(run_dir)
     assert history[1] == {"loss": 0.25, "learning_rate": 1e-3}
     assert history[2]["eval/greedy/reward"] == -3.0 and history[2]["completions/nrows"] == 1
