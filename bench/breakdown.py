@@ -15,14 +15,13 @@ import os
 
 from common import QUICKSTART, RESULTS, launch, machine, read_metrics, save_json
 
-
 PHASES = ("generate", "score", "old_logp", "forward", "backward", "optimizer")
 
 
 def run(name: str, overrides: list[str], steps: int, nproc: int) -> dict:
     out = RESULTS / "tmp" / "breakdown" / name
     out.mkdir(parents=True, exist_ok=True)
-    launch(nproc, ["-m", "recipe.train"],
+    launch(nproc, ["-m", "grpo_recipe.train"],
            ["--config", QUICKSTART, "--max_steps", str(steps), "--output_dir", str(out), "--save_steps", "0",
             "--overwrite_output_dir", "true", "--disable_tqdm", "true", *overrides], out / "run.log")
     recs = read_metrics(out)

@@ -13,15 +13,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the scripts run from bench/
 
-from recipe.launch import rank_env, torchrun  # noqa: E402
-from recipe.metrics import read_jsonl  # noqa: E402
+from grpo_recipe.dist.env import rank_env, torchrun  # noqa: E402
+from grpo_recipe.run.metrics import read_jsonl  # noqa: E402
 
 RESULTS = Path(os.environ.get("BENCH_RESULTS", REPO / "bench" / "results"))  # tests point it elsewhere
-QUICKSTART = "recipe/configs/quickstart.yaml"
+QUICKSTART = "grpo_recipe/configs/quickstart.yaml"
 
 
 def launch(nproc: int, entry: list[str], overrides: list[str], log: Path) -> float:
-    """Run `entry` (e.g. ["-m", "recipe.train"]) under torchrun with nproc CPU ranks; returns wall seconds."""
+    """Run `entry` (e.g. ["-m", "grpo_recipe.train"]) under torchrun with nproc CPU ranks; returns wall seconds."""
     env, cmd = rank_env(), torchrun(nproc, [*entry, *overrides])
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -19,6 +19,8 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
+from measure import update  # noqa: E402 -- after the path set-up
+
 # dense bf16 peak of one device, TFLOP/s (vendor data sheets, SXM parts)
 PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
 SIZES = {"gpu": dict(samples=32, micro_batch=8, prompt=128, completion=512, gen_prompts=32, gen_tokens=256),
@@ -36,7 +38,7 @@ class Memory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            from scale_worker import PeakSampler
+            from measure import PeakSampler
 
             self.sampler = PeakSampler()
         self.t0 = time.perf_counter()
@@ -64,7 +66,7 @@ def ds_config_file(work: Path) -> str:
 
 def rollout(cfg, size: dict, vocab: int, seed: int = 0):
     """Random prompts, completions of uniform random length 16..max (down to 1 in the small run), advantages."""
-    from recipe.buffer import RolloutBuffer
+    from grpo_recipe.algo.buffer import RolloutBuffer
 
     g = torch.Generator().manual_seed(seed)
     n, p, c = size["samples"], size["prompt"], size["completion"]
@@ -75,12 +77,6 @@ def rollout(cfg, size: dict, vocab: int, seed: int = 0):
     adv = torch.randn(n, generator=g)
     return RolloutBuffer.build(prompts, comps, adv, mask, pad_id=0, order_seed=seed)
 
-
-def update(engine, buf, cfg) -> list[dict]:
-    """One rollout's update, as recipe.train runs it: each optimizer step's statistics."""
-    from recipe.update import train_on_rollout
-
-    return [step.stats for step in train_on_rollout(engine, None, buf, cfg)]
 
 
 def train_flops(hf_config, buf) -> float:
@@ -94,15 +90,16 @@ def train_flops(hf_config, buf) -> float:
 
 
 def train_run(precision: str, folder: str, ds_file: str, size: dict, cuda: bool, hf_config) -> tuple[dict, object]:
-    from recipe import engine as eng
-    from recipe.config import Config
+    from grpo_recipe.config.schema import Config
+    from grpo_recipe.model import engine as eng
+    from grpo_recipe.model.load import load_model
 
     cfg = Config(model_name_or_path=folder, deepspeed_config=ds_file, bf16=precision == "bf16",
                  per_device_train_batch_size=size["micro_batch"], num_generations=2,
                  gradient_accumulation_steps=size["samples"] // size["micro_batch"], num_iterations=2,
                  max_completion_length=size["completion"], learning_rate=1e-5, max_grad_norm=1.0)
     with Memory(cuda) as load:
-        engine = eng.init_engine(eng.load_model(folder, cfg, 1), cfg, 1)
+        engine = eng.init_engine(load_model(folder, cfg, 1), cfg, 1)
     update(engine, rollout(cfg, size, hf_config.vocab_size, seed=1), cfg)  # warm-up: kernels, ZeRO-3 trace
     buf = rollout(cfg, size, hf_config.vocab_size)
     with Memory(cuda) as step:
@@ -119,12 +116,12 @@ def train_run(precision: str, folder: str, ds_file: str, size: dict, cuda: bool,
 
 
 def generation(engine, folder: str, size: dict, cuda: bool, vocab: int) -> dict:
-    from recipe import engine as eng
-    from recipe.config import Config
-    from recipe.generation import build_generator
-    from recipe.tiny import ensure_builtin
+    from grpo_recipe.config.schema import Config
+    from grpo_recipe.generation import build_generator
+    from grpo_recipe.model.load import load_tokenizer
+    from grpo_recipe.model.tiny import ensure_builtin
 
-    tok = eng.load_tokenizer(str(ensure_builtin("builtin:tiny-qwen2")))  # ids only; decoded text is unused
+    tok = load_tokenizer(str(ensure_builtin("builtin:tiny-qwen2")))  # ids only; decoded text is unused
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, vocab, (size["prompt"],), generator=g).tolist() for _ in range(size["gen_prompts"])]
     res = {}
@@ -150,16 +147,16 @@ def main() -> int:
     args = ap.parse_args()
     t_start = time.perf_counter()
     from common import RESULTS, machine
-    from scale import QWEN05B, SMOKE, build_model
+    from measure import QWEN05B, SMOKE, build_model
 
-    from recipe import engine as eng
-    from recipe.tiny import cache_root
+    from grpo_recipe.dist.group import init_distributed
+    from grpo_recipe.model.tiny import cache_root
 
     cuda = torch.cuda.is_available() and not args.cpu
     if not cuda and not args.cpu:
         raise SystemExit("gpu_check: no GPU here; run with --cpu for the dry run")
     size = SIZES["gpu" if cuda else "cpu"]
-    eng.init_distributed()
+    init_distributed()
     folder = str(build_model(QWEN05B if cuda else SMOKE,
                              cache_root() / ("bench-qwen2.5-0.5b-shape" if cuda else "bench-smoke-shape")))
     from transformers import AutoConfig
@@ -213,6 +210,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from recipe import liveness
+    from grpo_recipe.dist import liveness
 
-    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown (see recipe.liveness)
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown (see grpo_recipe.dist.liveness)

@@ -1,4 +1,4 @@
-"""Run recipe.train (under torchrun, one process per rank) and write what the loop does not log per rank: the
+"""Run grpo_recipe.train (under torchrun, one process per rank) and write what the loop does not log per rank: the
 process's peak RSS and the largest rollout buffer the rank held (its old log-probs, and the whole buffer).
 
     torchrun ... bench/instrumented.py OUT_PREFIX --config ... [--key value ...]
@@ -18,7 +18,8 @@ PEAK = {"old_logp_bytes": 0, "buffer_bytes": 0}
 
 def main():
     out_prefix, argv = sys.argv[1], sys.argv[2:]
-    from recipe import buffer, train
+    from grpo_recipe import train
+    from grpo_recipe.algo import buffer
 
     build = buffer.RolloutBuffer.build.__func__
 

@@ -3,7 +3,7 @@
     python bench/lora_memory.py [--nproc 2] [--models tiny,bigger] [--out bench/results/lora_memory.json]
 
 For each model and mode, a fresh `torchrun --nproc_per_node N` builds the recipe's engine (engine.init_engine,
-with recipe.lora.wrap for LoRA), runs one optimizer step so that Adam's state exists, and each rank reports the
+with grpo_recipe.model.lora.wrap for LoRA), runs one optimizer step so that Adam's state exists, and each rank reports the
 bytes of the tensors the DeepSpeed ZeRO-3 optimizer really holds: Adam moments, a separate fp32 master copy (none
 in fp32 training), the gradient partition buffer, and its parameter shards; plus the process's peak RSS.
 Models: `tiny` is builtin:tiny-qwen2 (hidden 128, 2 layers); `bigger` is a Qwen2 of hidden 1024, 8 layers
@@ -41,12 +41,13 @@ def build_model(name: str, cfg):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from recipe import engine as eng
-    from recipe import lora
+    from grpo_recipe.model import lora
+    from grpo_recipe.model.load import load_model
+    from grpo_recipe.model.source import model_path
 
-    path = eng.model_path(cfg)
+    path = model_path(cfg)
     if name == "tiny":
-        return eng.load_model(path, cfg)
+        return load_model(path, cfg)
     tiny = AutoConfig.from_pretrained(path)  # the tiny one's vocabulary and special tokens, bigger shapes
     config = type(tiny)(vocab_size=tiny.vocab_size, eos_token_id=tiny.eos_token_id, bos_token_id=tiny.bos_token_id,
                         pad_token_id=tiny.pad_token_id, tie_word_embeddings=tiny.tie_word_embeddings,
@@ -60,10 +61,11 @@ def worker(model_name: str, mode: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from recipe import engine as eng
-    from recipe.config import Config
+    from grpo_recipe.config.schema import Config
+    from grpo_recipe.dist.group import init_distributed
+    from grpo_recipe.model import engine as eng
 
-    rank, world = eng.init_distributed()
+    rank, world = init_distributed()
     cfg = Config(use_peft=mode == "lora", learning_rate=1e-4, per_device_train_batch_size=2, num_iterations=1,
                  **(LORA if mode == "lora" else {}))
     model = build_model(model_name, cfg)
@@ -92,7 +94,7 @@ def worker(model_name: str, mode: str, out: str) -> None:
 
 
 def run(model_name: str, mode: str, nproc: int) -> list[dict]:
-    from recipe.launch import rank_env, torchrun
+    from grpo_recipe.dist.env import rank_env, torchrun
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
@@ -106,7 +108,7 @@ def run(model_name: str, mode: str, nproc: int) -> list[dict]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        from recipe import liveness
+        from grpo_recipe.dist import liveness
 
         return liveness.run_and_exit(lambda: worker(*sys.argv[2:5]))  # no gloo/DeepSpeed teardown
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -33,7 +33,7 @@ MODES = ("merged", "adapter")
 QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
                rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}, rms_norm_eps=1e-6)
-MODELS = {  # recipe overrides per model (on top of recipe/configs/quickstart_lora.yaml), measured rollouts per job
+MODELS = {  # recipe overrides per model (on top of grpo_recipe/configs/quickstart_lora.yaml), measured rollouts per job
     "tiny": ([], 6),
     "qwen05b": (["--lora_target_modules", "[all-linear]", "--max_completion_length", "64"], 2),
 }
@@ -44,7 +44,7 @@ def qwen05b_folder() -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from recipe.tiny import ensure_builtin
+    from grpo_recipe.model.tiny import ensure_builtin
 
     folder = Path(os.path.expanduser("~/.cache/grpo_recipe/lora-vllm-qwen2.5-0.5b-shape"))
     if (folder / "tokenizer_config.json").is_file():  # written last, and the folder appears only when complete
@@ -81,15 +81,15 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from recipe import train
-    from recipe.config_load import load_config
-    from recipe.generation import rollout_seed
-    from recipe.preflight import preflight
+    from grpo_recipe import train
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.generation import rollout_seed
+    from grpo_recipe.run.preflight import preflight
 
     extra = MODELS[model][0] + (["--model_name_or_path", str(qwen05b_folder())] if model == "qwen05b" else [])
-    cfg = load_config(["--config", "recipe/configs/quickstart_lora.yaml", "--generation_backend", "vllm",
+    cfg = load_config(["--config", "grpo_recipe/configs/quickstart_lora.yaml", "--generation_backend", "vllm",
                        "--vllm_lora_sync", mode, "--output_dir", tempfile.mkdtemp(prefix="bench_lora_vllm_"), *extra])
-    preflight(cfg)  # as recipe.train.main: before the process group starts
+    preflight(cfg)  # as grpo_recipe.train.main: before the process group starts
     t0 = time.perf_counter()
     run, _ = train.setup(cfg)  # engine, prompt stream and the vLLM generator, exactly as the recipe builds them
     startup = time.perf_counter() - t0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-
 from pathlib import Path
 
 from common import QUICKSTART, RESULTS, launch, machine, save_json

@@ -17,8 +17,18 @@ import os
 import statistics
 from pathlib import Path
 
-from common import (QUICKSTART, RESULTS, launch, machine, passes_per_rollout, per_generation, read_metrics, save_json,
-                    smoothed, time_to)
+from common import (
+    QUICKSTART,
+    RESULTS,
+    launch,
+    machine,
+    passes_per_rollout,
+    per_generation,
+    read_metrics,
+    save_json,
+    smoothed,
+    time_to,
+)
 
 FRACTIONS = (0.5, 0.8)
 SMOOTH = 3  # rollouts in the reward's moving average
@@ -49,7 +59,7 @@ def main() -> None:
         order = args.mus[i % len(args.mus):] + args.mus[:i % len(args.mus)]  # rotate who runs first
         for mu in order:
             out = RESULTS / "tmp" / "mu_sweep" / f"mu{mu}_seed{seed}"
-            wall = launch(args.nproc, ["-m", "recipe.train"],
+            wall = launch(args.nproc, ["-m", "grpo_recipe.train"],
                           ["--config", QUICKSTART, "--num_iterations", str(mu), "--max_steps", str(args.steps),
                            "--seed", str(seed), "--output_dir", str(out), "--save_steps", "0",
                            "--overwrite_output_dir", "true", "--disable_tqdm", "true", *args.extra], out.with_suffix(".log"))

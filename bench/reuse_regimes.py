@@ -30,8 +30,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import (QUICKSTART, REPO, RESULTS, MetricsTail, cost_clock, fit_prices, machine, passes_per_rollout,
-                    per_generation, rank_env, read_metrics, save_json, smoothed, time_to)
+from common import (
+    QUICKSTART,
+    REPO,
+    RESULTS,
+    MetricsTail,
+    cost_clock,
+    fit_prices,
+    machine,
+    passes_per_rollout,
+    per_generation,
+    rank_env,
+    read_metrics,
+    save_json,
+    smoothed,
+    time_to,
+)
 from reuse_report import FRACTIONS, SMOOTH, medians, plot, tables
 from reuse_store import merge
 
@@ -132,7 +146,7 @@ VARIANTS = {
     "8": ["--num_iterations", "8"],
     "4+kl5e-4": ["--num_iterations", "4", "--reuse_target_kl", "5e-4"],
     "4+kl2e-3": ["--num_iterations", "4", "--reuse_target_kl", "2e-3"],
-    "auto": ["--num_iterations", "auto"],  # the default: mu decided per rollout, at most 8, KL_max 3.6e-3 (recipe/reuse.py)
+    "auto": ["--num_iterations", "auto"],  # the default: mu decided per rollout, at most 8, KL_max 3.6e-3 (grpo_recipe/algo/reuse.py)
     # the default until 2026-12-04 (at most 4 passes); its runs were the map's `auto` until then
     "auto_cap4": ["--num_iterations", "auto", "--reuse_max_iterations", "4"],
     # the default until KL_max doubled: set while the cap was 8, to stop passes 5-8, it cut passes 2-4 at the cap of 4
@@ -154,7 +168,7 @@ SUMMARY_CLOCK = "cost_s"
 def run(regime: str, variant: str, seed: int, root: Path, clock: str) -> dict:
     """One training run, stopped once its summed step times (on `clock`) pass the regime's budget."""
     out = root / regime / f"{variant}_seed{seed}"
-    cmd = [sys.executable, "-m", "recipe.train", "--config", QUICKSTART, *REGIMES[regime]["args"],
+    cmd = [sys.executable, "-m", "grpo_recipe.train", "--config", QUICKSTART, *REGIMES[regime]["args"],
            *VARIANTS[variant], "--seed", str(seed), "--max_steps", "100000", "--output_dir", str(out),
            "--save_steps", "0", "--overwrite_output_dir", "true", "--logging_steps", "1", "--disable_tqdm", "true"]
     env = rank_env()
@@ -189,7 +203,7 @@ def run(regime: str, variant: str, seed: int, root: Path, clock: str) -> dict:
 
 def frozen_cost_ratio(record: dict) -> float | None:
     """num_iterations: auto's clock input, seconds per decoding step over seconds per trained token, measured on
-    rollouts 1-3 and frozen (recipe/reuse.py); read back from the g it gives the record's rollout (the
+    rollouts 1-3 and frozen (grpo_recipe/algo/reuse.py); read back from the g it gives the record's rollout (the
     generation share itself follows the rollout's size, so runs that end on other lengths show other g)."""
     g = record.get("reuse_generation_share")
     return None if not g or g >= 1 else g / (1 - g) * record["rollout_tokens"] / max(record["decode_steps"], 1)

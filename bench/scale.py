@@ -13,20 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from common import RESULTS, machine, rank_env, save_json, torchrun
+from measure import QWEN05B, SMOKE, build_model
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-# Qwen2.5-0.5B's shape (config.json of the released model), random weights
-QWEN05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-               num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-               tie_word_embeddings=True)
-SMOKE = dict(QWEN05B, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2)
 GOALS = {"startup": "at world 2, peak private memory per rank <= 0.6x the full fp32 model, falling as 1/world",
          "logprob": "peak memory of one micro-batch's log-prob forward and backward: after / before <= 0.5",
          "throughput": "training tokens/s, completion lengths uniform in 16..512: after / before >= 1.5",
@@ -37,31 +31,6 @@ GOALS = {"startup": "at world 2, peak private memory per rank <= 0.6x the full f
 # code no longer holds; with a fixed threshold every block of 128 KiB or more goes back to the OS when freed.
 MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
-
-def build_model(shape: dict, folder: Path) -> Path:
-    """A Qwen2 of `shape` with random weights (seed 0), saved in bf16 as the released checkpoints are."""
-    from recipe.buildlock import exclusive
-    from recipe.tiny import missing_files, save_model
-
-    def complete() -> bool:
-        return not [m for m in missing_files(folder) if not m.startswith("tokenizer")]
-
-    if complete():
-        return folder
-    with exclusive(folder.with_name(folder.name + ".lock"), f"the build of {folder}"):
-        if not complete():
-            import torch
-            from transformers import AutoModelForCausalLM, Qwen2Config
-
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.bfloat16)
-            tmp = folder.with_name(folder.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            save_model(model, tmp)
-            shutil.rmtree(folder, ignore_errors=True)
-            os.rename(tmp, folder)  # complete or absent
-    return folder
 
 
 def measured_at() -> dict:
@@ -197,7 +166,7 @@ def part_padding(shape: dict, samples: int, micro_batch: int, max_c: int) -> dic
     through the layers, 6 x V x H per position through the output layer; attention's s^2 term left out)."""
     from scale_worker import todays_batching, varied_rollout
 
-    from recipe.buffer import RolloutBuffer
+    from grpo_recipe.algo.buffer import RolloutBuffer
 
     h, v, inter = shape["hidden_size"], shape["vocab_size"], shape["intermediate_size"]
     kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
@@ -278,7 +247,7 @@ def main() -> None:
     if args.replot:
         plot(json.loads((RESULTS / "scale.json").read_text()), RESULTS / "scale.png")
         return
-    from recipe.tiny import cache_root
+    from grpo_recipe.model.tiny import cache_root
 
     shape = SMOKE if args.smoke else QWEN05B
     model_dir = build_model(shape, cache_root() / ("bench-smoke-shape" if args.smoke else "bench-qwen2.5-0.5b-shape"))

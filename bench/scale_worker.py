@@ -12,55 +12,17 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-
-
-def rss_anon() -> int:
-    """Private (anonymous) resident bytes of this process: pages of mapped files are not counted."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-class PeakSampler:
-    """RssAnon sampled every millisecond from a thread (torch releases the GIL in its kernels), relative to
-    the process's own level at start. `mark(name)` closes a phase: its level at start, its peak and its level
-    at the end."""
-
-    def __init__(self):
-        self.base = rss_anon()
-        self.peak, self.start, self.phases, self._stop = self.base, self.base, {}, False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop:
-            self.peak = max(self.peak, rss_anon())
-            time.sleep(0.001)
-
-    def mark(self, name: str) -> None:
-        now = rss_anon()
-        self.peak = max(self.peak, now)
-        self.phases[name] = {"start_bytes": self.start - self.base, "peak_bytes": self.peak - self.base,
-                             "end_bytes": now - self.base}
-        self.start = self.peak = now
-
-    def stop(self) -> dict:
-        self._stop = True
-        self._thread.join()
-        return {"phases": self.phases, "peak_bytes": max(p["peak_bytes"] for p in self.phases.values())}
+from measure import PeakSampler  # noqa: E402 -- after the path set-up
 
 
 def config(model_dir: str, **overrides):
-    from recipe.config import Config
+    from grpo_recipe.config.schema import Config
 
     base = dict(model_name_or_path=model_dir, num_generations=2, per_device_train_batch_size=2, learning_rate=1e-5,
                 num_iterations=1, max_completion_length=512, max_prompt_length=64, bf16=False)
@@ -91,20 +53,22 @@ def warm_up_imports(model_dir: str) -> None:
 
 
 def startup(model_dir: str, out: str, variant: str, what: str) -> None:
-    """Peak private memory per rank from before loading to ready engines, phase by phase, as recipe.train's
+    """Peak private memory per rank from before loading to ready engines, phase by phase, as grpo_recipe.train's
     setup builds them: `policy`, `policy+reference` (beta > 0), or the `reference` alone (its own cost, free
     of what the policy's phases leave in the allocator)."""
     import deepspeed
 
-    from recipe import engine as eng
+    from grpo_recipe.dist.group import init_distributed
+    from grpo_recipe.model import engine as eng
+    from grpo_recipe.model.load import load_model
 
-    rank, world = eng.init_distributed()
+    rank, world = init_distributed()
     cfg = config(model_dir, beta=0.04 if "reference" in what else 0.0)
     warm_up_imports(model_dir)
     sampler = PeakSampler()
     engine = None
     if "policy" in what:
-        model = todays_model(model_dir) if variant == "before" else eng.load_model(model_dir, cfg, world)
+        model = todays_model(model_dir) if variant == "before" else load_model(model_dir, cfg, world)
         sampler.mark("policy_load")
         engine = eng.init_engine(model, cfg, world)
         sampler.mark("policy_engine")
@@ -145,7 +109,7 @@ def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, bf16: b
     """Peak private memory of one micro-batch's log-prob forward (with the entropy metric, as the training
     forward computes it) and backward, over the model's weights and gradients (allocated beforehand, as they are
     in training). bf16: the module in bf16, as DeepSpeed runs it."""
-    from recipe.update import forward_logps
+    from grpo_recipe.algo.update import forward_logps
 
     torch.manual_seed(0)
     model = todays_model(model_dir).train()
@@ -175,7 +139,7 @@ def logprob(model_dir: str, out: str, variant: str, checkpointing: bool, bf16: b
 
 def todays_batching():
     """Today's micro-batches: schedule order (no grouping by length), every micro-batch as wide as the rollout."""
-    from recipe.buffer import RolloutBuffer
+    from grpo_recipe.algo.buffer import RolloutBuffer
 
     class TodaysBuffer(RolloutBuffer):
         def _by_length(self, idx):
@@ -215,20 +179,22 @@ def throughput(model_dir: str, out: str, variant: str, samples: int, micro_batch
     """Training tokens per second of one rollout's update (one optimizer step per rank-local rollout of
     `samples`), today's batching and log-probs against the recipe's; the rest is the recipe's own update, in
     bf16 with gradient checkpointing (how large models train)."""
-    from gpu_check import update
+    from measure import update
 
-    from recipe import engine as eng
-    from recipe import update as upd
-    from recipe.buffer import RolloutBuffer
+    from grpo_recipe.algo import update as upd
+    from grpo_recipe.algo.buffer import RolloutBuffer
+    from grpo_recipe.dist.group import init_distributed
+    from grpo_recipe.model import engine as eng
+    from grpo_recipe.model.load import load_model
 
-    rank, world = eng.init_distributed()
+    rank, world = init_distributed()
     cfg = config(model_dir, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=samples // micro_batch,
                  gradient_checkpointing=True, max_completion_length=max_c, bf16=True,
                  deepspeed_config=bounded_zero3(Path(out).parent, rank))
     buffer_cls = RolloutBuffer
     if variant == "before":
         upd.forward_logps, buffer_cls = todays_forward_logps, todays_batching()
-    engine = eng.init_engine(eng.load_model(model_dir, cfg, world), cfg, world)
+    engine = eng.init_engine(load_model(model_dir, cfg, world), cfg, world)
     prompts, comps, adv, mask = varied_rollout(samples, engine.module.config.vocab_size, seed=rank,
                                                completion=(min(16, max_c), max_c))
     buf = buffer_cls.build(prompts, comps, adv, mask, pad_id=0, order_seed=rank)
@@ -260,6 +226,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from recipe import liveness
+    from grpo_recipe.dist import liveness
 
-    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown (see recipe.liveness)
+    liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown (see grpo_recipe.dist.liveness)

@@ -4,7 +4,7 @@
     python bench/smollm2_arith.py --summarize-only
 
 Steps (each skipped when its output exists, so an interrupted run continues): prepare the model, build the
-data, evaluate the untrained model, train with recipe/configs/smollm2_arith.yaml on 2 CPU ranks (wall time
+data, evaluate the untrained model, train with grpo_recipe/configs/smollm2_arith.yaml on 2 CPU ranks (wall time
 recorded in OUTPUT_DIR/wall_time_s), evaluate OUTPUT_DIR/final. Then a confirmation set: 1000 more held-out
 questions (eval rows 301-1300 of the same split: prepare_data is deterministic, so asking for 1300 eval rows
 gives the first 300 again, then new ones), both models evaluated again. Writes bench/results/smollm2_arith.json
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common import REPO, moving_average, read_jsonl, read_metrics
 
-CONFIG = "recipe/configs/smollm2_arith.yaml"
+CONFIG = "grpo_recipe/configs/smollm2_arith.yaml"
 MODEL = "output/models/smollm2-135m-instruct"
 DATA = "output/data/arith"
 TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "operators": ["+"],
@@ -35,23 +35,23 @@ LOGS = "output/smollm2_arith_bench"
 MAX_NEW_TOKENS = 32  # = the config's max_completion_length
 
 COMMANDS = {
-    "prepare_model": [sys.executable, "-m", "recipe.prepare_model", "--source", "smollm2", "--out", MODEL],
-    "prepare_data": [sys.executable, "-m", "recipe.prepare_data", "--task", "basic_arithmetic", "--out", DATA,
+    "prepare_model": [sys.executable, "-m", "grpo_recipe.tools.prepare_model", "--source", "smollm2", "--out", MODEL],
+    "prepare_data": [sys.executable, "-m", "grpo_recipe.tools.prepare_data", "--task", "basic_arithmetic", "--out", DATA,
                      "--train-size", "2000", "--eval-size", "300", "--task-config", json.dumps(TASK_CONFIG)],
-    "eval_before": [sys.executable, "-m", "recipe.evaluate", "--model", MODEL, "--data", f"{DATA}/eval.jsonl",
+    "eval_before": [sys.executable, "-m", "grpo_recipe.tools.evaluate", "--model", MODEL, "--data", f"{DATA}/eval.jsonl",
                     "--max-new-tokens", str(MAX_NEW_TOKENS), "--out", f"{LOGS}/eval_before.json",
                     "--samples", f"{LOGS}/eval_before_samples.jsonl"],
     "train": ["bash", "launch/local.sh", "--config", CONFIG, "--disable_tqdm", "true"],
-    "eval_after": [sys.executable, "-m", "recipe.evaluate", "--model", f"{RUN}/final", "--data", f"{DATA}/eval.jsonl",
+    "eval_after": [sys.executable, "-m", "grpo_recipe.tools.evaluate", "--model", f"{RUN}/final", "--data", f"{DATA}/eval.jsonl",
                    "--max-new-tokens", str(MAX_NEW_TOKENS), "--out", f"{LOGS}/eval_after.json",
                    "--samples", f"{LOGS}/eval_after_samples.jsonl"],
-    "confirm_data": ["bash", "-c", f"{shlex.join([sys.executable, '-m', 'recipe.prepare_data', '--task', 'basic_arithmetic', '--out', DATA + '_big', '--train-size', '2000', '--eval-size', '1300', '--task-config', json.dumps(TASK_CONFIG)])}"
+    "confirm_data": ["bash", "-c", f"{shlex.join([sys.executable, '-m', 'grpo_recipe.tools.prepare_data', '--task', 'basic_arithmetic', '--out', DATA + '_big', '--train-size', '2000', '--eval-size', '1300', '--task-config', json.dumps(TASK_CONFIG)])}"
                      f" && cmp {DATA}/train.jsonl {DATA}_big/train.jsonl && head -300 {DATA}_big/eval.jsonl | cmp - {DATA}/eval.jsonl"
                      f" && tail -n +301 {DATA}_big/eval.jsonl > {DATA}/confirm.jsonl"],
-    "confirm_before": [sys.executable, "-m", "recipe.evaluate", "--model", MODEL, "--data", f"{DATA}/confirm.jsonl",
+    "confirm_before": [sys.executable, "-m", "grpo_recipe.tools.evaluate", "--model", MODEL, "--data", f"{DATA}/confirm.jsonl",
                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--out", f"{LOGS}/confirm_before.json",
                        "--samples", f"{LOGS}/confirm_before_samples.jsonl"],
-    "confirm_after": [sys.executable, "-m", "recipe.evaluate", "--model", f"{RUN}/final", "--data", f"{DATA}/confirm.jsonl",
+    "confirm_after": [sys.executable, "-m", "grpo_recipe.tools.evaluate", "--model", f"{RUN}/final", "--data", f"{DATA}/confirm.jsonl",
                       "--max-new-tokens", str(MAX_NEW_TOKENS), "--out", f"{LOGS}/confirm_after.json",
                       "--samples", f"{LOGS}/confirm_after_samples.jsonl"],
 }
@@ -135,7 +135,7 @@ def summarize() -> dict:
         "eval_setup": {"questions": "held-out split (seed 0 + 1000000007), none of them in the train set; "
                                     "train and held-out questions come from the same distribution",
                        "decoding": f"greedy, {MAX_NEW_TOKENS} new tokens",
-                       "right": "recipe.examples.arith_rewards:correctness == 1 (numeric match)",
+                       "right": "grpo_recipe.examples.arith_rewards:correctness == 1 (numeric match)",
                        "noise": "binomial standard error sqrt(p (1 - p) / n); paired McNemar exact test"},
         "eval": compare("eval"),
         "confirm": compare("confirm") if (REPO / LOGS / "confirm_after.json").exists() else None,

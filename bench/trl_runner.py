@@ -40,7 +40,7 @@ def main(spec_path: str) -> int:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from recipe.rewards import load_reward_funcs
+    from grpo_recipe.rewards.funcs import load_reward_funcs
 
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["output_dir"])
@@ -69,7 +69,7 @@ def main(spec_path: str) -> int:
     if not torch.cuda.is_available():
         from accelerate import PartialState
 
-        from recipe.buildlock import load_comm_op
+        from grpo_recipe.dist.buildlock import load_comm_op
 
         load_comm_op()  # DeepSpeed's CPU comm op as the recipe's runs load it: built once, no stale lock
 
@@ -101,6 +101,6 @@ def main(spec_path: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
-    from recipe import liveness
+    from grpo_recipe.dist import liveness
 
-    liveness.run_and_exit(lambda: main(sys.argv[1]))  # no interpreter teardown, as in recipe/train.py
+    liveness.run_and_exit(lambda: main(sys.argv[1]))  # no interpreter teardown, as in grpo_recipe/train.py

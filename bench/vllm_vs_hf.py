@@ -32,7 +32,7 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--rollouts", type=int, default=10, help="measured rollouts per backend (after one warm-up)")
-    p.add_argument("--config", default="recipe/configs/quickstart.yaml", help="recipe config (model, prompts, lengths)")
+    p.add_argument("--config", default="grpo_recipe/configs/quickstart.yaml", help="recipe config (model, prompts, lengths)")
     p.add_argument("--out", default=str(REPO / "bench/results/vllm_vs_hf.json"))
     return p.parse_known_args()
 
@@ -46,20 +46,21 @@ def timed(fn):
 def main() -> None:
     args, overrides = parse()
     from common import machine
-    from recipe import train
-    from recipe.buffer import RolloutBuffer
-    from recipe.config_load import load_config
-    from recipe.engine import all_reduce_named
-    from recipe.generation import rollout_seed
-    from recipe.generation.hf import HFGenerator
-    from recipe.loss import group_advantages
-    from recipe.preflight import preflight
-    from recipe.rewards import score
-    from recipe.update import train_on_rollout
+
+    from grpo_recipe import train
+    from grpo_recipe.algo.buffer import RolloutBuffer
+    from grpo_recipe.algo.loss import group_advantages
+    from grpo_recipe.algo.update import train_on_rollout
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.dist.group import all_reduce_named
+    from grpo_recipe.generation import rollout_seed
+    from grpo_recipe.generation.hf import HFGenerator
+    from grpo_recipe.rewards.funcs import score
+    from grpo_recipe.run.preflight import preflight
 
     cfg = load_config(["--config", args.config, *overrides, "--generation_backend", "vllm",
                        "--output_dir", "/tmp/bench_vllm_vs_hf"])
-    preflight(cfg)  # as recipe.train.main: before the process group starts
+    preflight(cfg)  # as grpo_recipe.train.main: before the process group starts
     run, _ = train.setup(cfg)  # engine, prompt stream and the vLLM generator, exactly as the recipe builds them
     one_step = dataclasses.replace(cfg, num_iterations=1)  # the first optimizer step of each rollout only
     backends = {"hf": HFGenerator(cfg, run.engine, run.tokenizer), "vllm": run.generator}
@@ -117,6 +118,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from recipe import liveness
+    from grpo_recipe.dist import liveness
 
     liveness.run_and_exit(main)  # no gloo/DeepSpeed teardown, which occasionally aborts a finished rank

@@ -3,7 +3,7 @@
     python bench/vs_trl.py                       # mu 1 and 4, 2 repetitions each -> bench/results/vs_trl.{json,png}
     python bench/vs_trl.py --mus 1 --reps 1 --steps 6 --out /tmp/vt   # a quick look
 
-Both sides get the recipe config (default recipe/configs/quickstart.yaml, plus --set overrides): the same model
+Both sides get the recipe config (default grpo_recipe/configs/quickstart.yaml, plus --set overrides): the same model
 folder, tokenizer, prompt file, reward functions, group size, batch shape, completion length, sampling, mu,
 learning rate, loss, clipping and ZeRO-3 config, 2 ranks under torchrun with OMP_NUM_THREADS=1 each, generation
 with transformers' generate. Needs trl (pinned in the `bench-trl` extra: `pip install -e '.[bench-trl]'`).
@@ -61,7 +61,7 @@ FAIRNESS = [
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="recipe/configs/quickstart.yaml", help="recipe config both sides follow")
+    p.add_argument("--config", default="grpo_recipe/configs/quickstart.yaml", help="recipe config both sides follow")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe config override (repeatable)")
     p.add_argument("--mus", type=int, nargs="+", default=[1, 4], help="num_iterations values (default: 1 4)")
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions per mu (default: 2)")
@@ -87,8 +87,8 @@ def trl_version(python: str) -> str:
 
 
 def recipe_config(args, world_size: int = 2):
-    from recipe.config_load import load_config
-    from recipe.preflight import preflight
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.run.preflight import preflight
 
     argv = ["--config", args.config]
     for kv in args.set:
@@ -108,7 +108,7 @@ def steps_for(steps: int, steps_per_rollout: int) -> int:
 
 def write_prompts(cfg, tokenizer, path: Path) -> int:
     """The recipe's left-truncated prompts as text that re-tokenizes to the same ids; returns their count."""
-    from recipe.data import load_prompt_dataset
+    from grpo_recipe.data.prompts import load_prompt_dataset
 
     if getattr(tokenizer, "chat_template", None) is not None and str(cfg.chat_template).lower() != "false":
         sys.exit("vs_trl: the model's tokenizer has a chat template; this benchmark compares plain-text prompts only")
@@ -147,7 +147,7 @@ def trl_ds_config(cfg, cuda: bool) -> dict:
 
     The one change is the one the recipe makes at run time on CPU: torch's AdamW instead of a compiled kernel.
     """
-    from recipe.config import resolve_path
+    from grpo_recipe.config.schema import resolve_path
 
     conf = json.loads(resolve_path(cfg.deepspeed_config).read_text())
     opt = conf.get("optimizer")
@@ -176,9 +176,9 @@ def ds_differences(ours: dict, trl: dict) -> list[str]:
 def run_env() -> dict:
     import torch
 
-    from recipe.launch import rank_env
+    from grpo_recipe.dist.env import rank_env
 
-    # both sides load DeepSpeed's CPU comm op from the interpreter's own environment (recipe/buildlock.py)
+    # both sides load DeepSpeed's CPU comm op from the interpreter's own environment (grpo_recipe/dist/buildlock.py)
     return rank_env(None if torch.cuda.is_available() else "cpu")
 
 
@@ -198,10 +198,10 @@ def launch(cmd: list[str], env: dict, log: Path, timeout: float) -> float:
 
 def commands(args, python: str, cfg_path: str, prompts: Path, run_dir: Path, mu: int, steps: int,
              spec: Path) -> dict[str, list[str]]:
-    from recipe.launch import torchrun
+    from grpo_recipe.dist.env import torchrun
 
     overrides = [x for kv in args.set for x in ("--" + kv.partition("=")[0], kv.partition("=")[2])]
-    ours = torchrun(2, ["-m", "recipe.train", "--config", cfg_path, *overrides, "--dataset_name", str(prompts),
+    ours = torchrun(2, ["-m", "grpo_recipe.train", "--config", cfg_path, *overrides, "--dataset_name", str(prompts),
                         "--num_iterations", str(mu), "--max_steps", str(steps), "--save_steps", "0",
                         "--overwrite_output_dir", "true", "--output_dir", str(run_dir / "ours")], python=python)
     return {"ours": ours, "trl": torchrun(2, [str(REPO / "bench" / "trl_runner.py"), str(spec)], python=python)}
@@ -233,19 +233,29 @@ def main(argv=None) -> int:
     if version != TRL_PIN:
         print(f"vs_trl: warning: trl {version} found, the benchmark is pinned to {TRL_PIN}", file=sys.stderr)
     import torch
-    from transformers import AutoConfig
-
     from common import machine
-    from recipe import engine as eng
-    from vs_trl_logs import (REWARD_WINDOW, markdown_table, plot, read_ours, read_trl, reward_at_budget, summarize,
-                             summarize_run)
+    from transformers import AutoConfig
+    from vs_trl_logs import (
+        REWARD_WINDOW,
+        markdown_table,
+        plot,
+        read_ours,
+        read_trl,
+        reward_at_budget,
+        summarize,
+        summarize_run,
+    )
+
+    from grpo_recipe.model import engine as eng
+    from grpo_recipe.model.load import load_tokenizer
+    from grpo_recipe.model.source import model_path
 
     cfg, cuda, world = recipe_config(args), torch.cuda.is_available(), 2
     work = Path(args.workdir or tempfile.mkdtemp(prefix="vs_trl."))
     work.mkdir(parents=True, exist_ok=True)
-    model = eng.model_path(cfg)
+    model = model_path(cfg)
     prompts = work / "prompts.jsonl"
-    n_prompts = write_prompts(cfg, eng.load_tokenizer(model), prompts)
+    n_prompts = write_prompts(cfg, load_tokenizer(model), prompts)
     ds_path = work / "ds_config_trl.json"
     ds_path.write_text(json.dumps(trl_ds_config(cfg, cuda), indent=1))
     ours_ds = eng.ds_config(cfg, world, AutoConfig.from_pretrained(model).hidden_size)

@@ -9,7 +9,7 @@ import json
 import statistics
 from pathlib import Path
 
-from recipe.metrics import read_jsonl
+from grpo_recipe.run.metrics import read_jsonl
 
 REWARD_WINDOW = 3  # "reward after a budget" = mean reward of the last 3 rollouts scored within it
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Single node: all GPUs of this machine, or NPROC CPU ranks (default 2) when there are none.
-#   launch/local.sh --config recipe/configs/quickstart.yaml [--key value ...]
+#   launch/local.sh --config grpo_recipe/configs/quickstart.yaml [--key value ...]
 # Env: NPROC (ranks; default = number of GPUs, or 2 on CPU), MASTER_PORT (default: a free port).
 # The ranks are started and owned by launch/node.py: their exit code comes back unchanged (0 done, 2 config
 # error, 75 checkpointed on a signal, 1 failed), SIGTERM/SIGUSR1/Ctrl-C reach them (checkpoint, exit 75), no

@@ -1,4 +1,4 @@
-"""Start one node's ranks of recipe.train and own them until they end: the launcher behind launch/local.sh
+"""Start one node's ranks of grpo_recipe.train and own them until they end: the launcher behind launch/local.sh
 (one node) and launch/slurm/node.py (one per node of a Slurm job).
 
     NPROC_PER_NODE=2 python launch/node.py --config FILE.yaml [--key value ...]
@@ -28,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from recipe.launch import PREEMPTED_EXIT_CODE as REQUEUE  # noqa: E402  (75: checkpointed on a signal, rerun me)
+from grpo_recipe.dist.env import PREEMPTED_EXIT_CODE as REQUEUE  # noqa: E402  (75: checkpointed on a signal, rerun me)
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -50,15 +51,15 @@ def log(msg: str) -> None:
 
 
 def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, own_session: bool) -> int:
-    """Start ranks node * nproc ... of recipe.train with `args`, supervise them, return the node's exit code.
+    """Start ranks node * nproc ... of grpo_recipe.train with `args`, supervise them, return the node's exit code.
 
     own_session: put the ranks in their own session so that a terminal's Ctrl-C reaches only this process
     (which forwards it as SIGTERM); under Slurm they stay in the step's process group, which Slurm signals.
     """
-    from recipe.rendezvous import host_store, listening_socket
+    from grpo_recipe.dist.rendezvous import host_store, listening_socket
 
     sock = None
-    if node == 0:  # the store outlives any rank, so a stopped rank 0 can still be named (recipe/liveness.py)
+    if node == 0:  # the store outlives any rank, so a stopped rank 0 can still be named (grpo_recipe/dist/liveness.py)
         sock = listening_socket(env["MASTER_ADDR"], int(env.get("MASTER_PORT") or 0))
         env["MASTER_PORT"] = str(sock.getsockname()[1])
     env.update(WORLD_SIZE=str(nnodes * nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
@@ -67,7 +68,7 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     procs = {}
     for i in range(nproc):
-        p = subprocess.Popen([sys.executable, "-m", "recipe.train", *args], cwd=REPO,
+        p = subprocess.Popen([sys.executable, "-m", "grpo_recipe.train", *args], cwd=REPO,
                              env={**env, "RANK": str(node * nproc + i), "LOCAL_RANK": str(i)},
                              start_new_session=own_session, preexec_fn=_die_with_parent)
         procs[p.pid] = (node * nproc + i, p)

@@ -8,4 +8,4 @@ case " $* " in
   *" --resume_from_checkpoint"* | *" --resume-from-checkpoint"*) OVERWRITE=() ;;
   *) OVERWRITE=(--overwrite_output_dir true) ;;
 esac
-bash launch/local.sh --config recipe/configs/quickstart.yaml "${OVERWRITE[@]}" "$@"
+bash launch/local.sh --config grpo_recipe/configs/quickstart.yaml "${OVERWRITE[@]}" "$@"

@@ -33,8 +33,8 @@ if [ ! -f "$STAMP" ]; then
   .venv/bin/python -c "$CHECK" >/dev/null 2>&1 || { echo "setup_venv: install failed ($CHECK)" >&2; exit 1; }
   # Build DeepSpeed's CPU comm op now (about a minute, once) rather than inside the first training run.
   if ! .venv/bin/python -c "import torch; exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    # Same path and OS lock as a run's (recipe/buildlock.py): an interrupted build leaves nothing that blocks.
-    DS_ACCELERATOR=cpu .venv/bin/python -c "from recipe.buildlock import load_comm_op; load_comm_op()" >/dev/null || true
+    # Same path and OS lock as a run's (grpo_recipe/dist/buildlock.py): an interrupted build leaves nothing that blocks.
+    DS_ACCELERATOR=cpu .venv/bin/python -c "from grpo_recipe.dist.buildlock import load_comm_op; load_comm_op()" >/dev/null || true
   fi
   touch "$STAMP"
 fi

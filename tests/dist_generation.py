@@ -10,12 +10,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from recipe import engine as eng
-from recipe import liveness
-from recipe.config import Config
-from recipe.data import left_pad
-from recipe.generation import GenerationError, build_generator, generate_on_every_rank
-from recipe.update import forward_logps
+from grpo_recipe.algo.buffer import left_pad
+from grpo_recipe.algo.update import forward_logps
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist import liveness
+from grpo_recipe.dist.group import init_distributed
+from grpo_recipe.generation import GenerationError, build_generator, generate_on_every_rank
+from grpo_recipe.model import engine as eng
+from grpo_recipe.model.load import load_model, load_tokenizer
+from grpo_recipe.model.source import model_path
 
 GATHERS = [0]
 
@@ -33,12 +36,12 @@ def count_gathers(cdb):
 
 def main():
     out = sys.argv[1]
-    rank, world = eng.init_distributed()
+    rank, world = init_distributed()
     cfg = Config(num_generations=2, per_device_train_batch_size=4, max_completion_length=12, top_k=0)
-    path = eng.model_path(cfg)
-    tok = eng.load_tokenizer(path)
-    engine = eng.init_engine(eng.load_model(path, cfg, world), cfg, world)
-    plain = eng.load_model(path, cfg).eval()
+    path = model_path(cfg)
+    tok = load_tokenizer(path)
+    engine = eng.init_engine(load_model(path, cfg, world), cfg, world)
+    plain = load_model(path, cfg).eval()
     gen = build_generator(cfg, engine, tok)
     prompts = [tok(f"TITLE: rank {rank} asks").input_ids, tok("POST: a longer prompt here, longer").input_ids]
     import deepspeed.comm.comm as ds_comm

@@ -12,13 +12,17 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-
 from dist_update import BASE, run_case
-from recipe import engine as eng
-from recipe import liveness
-from recipe.config import Config
-from recipe.generation import build_generator
-from recipe.update import forward_logps
+
+from grpo_recipe.algo.update import forward_logps
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist import liveness
+from grpo_recipe.dist.group import init_distributed
+from grpo_recipe.generation import build_generator
+from grpo_recipe.model import engine as eng
+from grpo_recipe.model.load import load_tokenizer
+from grpo_recipe.model.save import save_hf_model
+from grpo_recipe.model.source import model_path
 
 CASE = dict(use_peft=True, lora_r=16, lora_alpha=32, loss_type="grpo", num_iterations=2, optimizer_steps_per_pass=2,
             gradient_accumulation_steps=2, beta=0.1)
@@ -33,7 +37,7 @@ def consolidated(engine) -> dict:
 
 def main():
     out = Path(sys.argv[1])
-    rank, world = eng.init_distributed()
+    rank, world = init_distributed()
     cfg = Config(**{**BASE, **CASE, "max_completion_length": 12})
     # 1. the recipe's LoRA update on the fixed rollout (beta > 0: the reference is the adapter-disabled policy)
     engine, ref, buf, _, _, _ = run_case(cfg, rank, world)
@@ -52,7 +56,7 @@ def main():
                 p.data.copy_(torch.randn(p.shape, generator=g) * 0.2)
     res["before_cycles"] = consolidated(engine)
     # 3. greedy generation through the recipe's generator (gathered, adapter merged): merge/unmerge cycle 1
-    tok = eng.load_tokenizer(eng.model_path(cfg))
+    tok = load_tokenizer(model_path(cfg))
     gen = build_generator(cfg, engine, tok)
     gen.gen_config.do_sample = False
     prompt_ids = [tok(p).input_ids for p in PROMPTS]
@@ -74,7 +78,7 @@ def main():
     names = {id(p): n for n, p in engine.module.named_parameters()}
     res["trainable"] = sorted(n for n, p in engine.module.named_parameters() if p.requires_grad)
     res["in_optimizer"] = sorted(names[id(p)] for group in engine.optimizer.fp16_groups for p in group)
-    eng.save_hf_model(engine, tok, out / "final", rank, save_merged=True)
+    save_hf_model(engine, tok, out / "final", rank, save_merged=True)
     flags = torch.tensor([float(res["partitioned"])])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     res["partitioned"] = bool(flags[0])

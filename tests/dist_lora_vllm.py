@@ -17,15 +17,18 @@ import sys
 import deepspeed
 import torch
 import torch.distributed as dist
-
 from dist_vllm import engine_greedy, gen_greedy, grpo_round, hf_greedy
-from recipe import engine as eng
-from recipe import liveness
-from recipe.buffer import RolloutBuffer
-from recipe.config import Config
-from recipe.generation import build_generator
-from recipe.lora import ReferencePolicy, lora_layers
-from recipe.update import forward_logps
+
+from grpo_recipe.algo.buffer import RolloutBuffer
+from grpo_recipe.algo.update import forward_logps
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist import liveness
+from grpo_recipe.dist.group import init_distributed
+from grpo_recipe.generation import build_generator
+from grpo_recipe.model import engine as eng
+from grpo_recipe.model.load import load_model, load_tokenizer
+from grpo_recipe.model.lora import ReferencePolicy, lora_layers
+from grpo_recipe.model.source import model_path
 
 SYNCS, CHECKED = 10, (0, 1, 9)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -55,14 +58,14 @@ def merged_reference(state: dict, path: str, cfg: Config):
 
 def main():
     out, tp, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    rank, world = eng.init_distributed()
+    rank, world = init_distributed()
     cfg = Config(generation_backend="vllm", use_peft=True, lora_r=16, lora_alpha=32, lora_target_modules=TARGETS,
                  vllm_lora_sync=mode, vllm_tensor_parallel_size=tp, vllm_tis_cap=2.0,
                  num_generations=2, per_device_train_batch_size=4, max_completion_length=12, max_prompt_length=200,
                  learning_rate=0.05, top_k=0, num_iterations=1, beta=0.05)
-    path = eng.model_path(cfg)
-    tok = eng.load_tokenizer(path)
-    engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
+    path = model_path(cfg)
+    tok = load_tokenizer(path)
+    engine = eng.init_engine(load_model(path, cfg), cfg, world)
     ref = eng.init_reference(path, cfg, world, engine)
     gen = build_generator(cfg, engine, tok)
     gen.chunk_numel = 40_000  # several gathers per sync even for the tiny model

@@ -11,12 +11,15 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-
 from dist_update import BASE, run_case
-from recipe import engine as eng
-from recipe import liveness
-from recipe.config import Config
-from recipe.generation import build_generator
+
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist import liveness
+from grpo_recipe.dist.group import init_distributed
+from grpo_recipe.generation import build_generator
+from grpo_recipe.model import engine as eng
+from grpo_recipe.model.load import load_model, load_tokenizer
+from grpo_recipe.model.source import model_path
 
 DS_CONFIGS = ("ds_configs/zero3.json", "ds_configs/zero3_offload.json", "ds_configs/zero2.json")
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +46,7 @@ def loading(rank, world, path, bin_folder: Path) -> dict:
     for ds in DS_CONFIGS:
         for peft in (False, True):
             cfg = Config(**{**BASE, "deepspeed_config": ds, "use_peft": peft, "lora_r": 4, "lora_alpha": 8})
-            model = eng.load_model(path, cfg, world)
+            model = load_model(path, cfg, world)
             name = f"{ds.split('/')[-1].removesuffix('.json')}{'_lora' if peft else ''}"
             base = [p for n, p in model.named_parameters() if "lora_" not in n]
             zero3 = "zero3" in ds
@@ -58,17 +61,17 @@ def loading(rank, world, path, bin_folder: Path) -> dict:
             del model
     # Linears that look like a tied output head but are not (the attention's square projections): left
     # unpartitioned at construction, partitioned after the tie, loaded like the rest
-    from recipe import partitioned_load
+    from grpo_recipe.model import partitioned as partitioned_load
 
     shape_of_head = partitioned_load._tied_head_shape
     partitioned_load._tied_head_shape = lambda hf_config: (hf_config.hidden_size, hf_config.hidden_size)
-    model = eng.load_model(path, Config(**BASE), world)
+    model = load_model(path, Config(**BASE), world)
     partitioned_load._tied_head_shape = shape_of_head
     res["square_heads"] = {"partitioned": held_as_partitions(list(model.parameters()), world),
                            "state": gathered_state(model)}
     # no safetensors: transformers' own ZeRO-3 loading, partitioned too
     cfg = Config(**BASE)
-    model = eng.load_model(str(bin_folder), cfg, world)
+    model = load_model(str(bin_folder), cfg, world)
     res["bin"] = {"partitioned": held_as_partitions(list(model.parameters()), world), "state": gathered_state(model)}
     return res
 
@@ -103,8 +106,8 @@ def bounded_zero3(out_dir: Path, rank: int) -> str:
 def generation(rank, world, path, out_dir: Path) -> dict:
     base = {**BASE, "max_completion_length": 10, "deepspeed_config": bounded_zero3(out_dir, rank)}
     cfg = Config(**base)
-    engine = eng.init_engine(eng.load_model(path, cfg, world), cfg, world)
-    tok = eng.load_tokenizer(path)
+    engine = eng.init_engine(load_model(path, cfg, world), cfg, world)
+    tok = load_tokenizer(path)
     prompt_ids = [tok(p).input_ids for p in PROMPTS]
     res = {"total_numel": sum(p.ds_numel for p in engine.module.parameters() if not p.ds_persist)}
     for mode in ("full", "per_layer"):
@@ -123,7 +126,7 @@ def bf16(rank, world) -> dict:
     for name, flag in (("fp32", False), ("bf16", True)):
         cfg = Config(**{**BASE, "bf16": flag, "num_iterations": 2, "gradient_accumulation_steps": 2})
         engine, _, buf, _, _, outs = run_case(cfg, rank, world)
-        from recipe.update import forward_logps
+        from grpo_recipe.algo.update import forward_logps
 
         mb = buf.micro_batch(torch.arange(2))
         with torch.no_grad():
@@ -138,8 +141,8 @@ def bf16(rank, world) -> dict:
 
 def main():
     out = Path(sys.argv[1])
-    rank, world = eng.init_distributed()
-    path = eng.model_path(Config(**BASE))
+    rank, world = init_distributed()
+    path = model_path(Config(**BASE))
     if rank == 0:  # the tiny model as a pytorch_model.bin folder
         from transformers import AutoModelForCausalLM
 

@@ -8,10 +8,13 @@ covers exactly its tokens; the sampler's log-probs (vLLM) lie on the mask only. 
 import json
 import sys
 
-from recipe import engine as eng
-from recipe import liveness
-from recipe.config import Config
-from recipe.generation import build_generator
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist import liveness
+from grpo_recipe.dist.group import init_distributed
+from grpo_recipe.generation import build_generator
+from grpo_recipe.model import engine as eng
+from grpo_recipe.model.load import load_model, load_tokenizer
+from grpo_recipe.model.source import model_path
 
 STOPS = ["on", "e"]  # frequent in the tiny model's random text, so most samples stop early
 
@@ -34,15 +37,15 @@ def check(comp, tok, cfg) -> dict:
 
 def main():
     out, backends = sys.argv[1], sys.argv[2:]
-    rank, world = eng.init_distributed()
+    rank, world = init_distributed()
     report = {}
     generators = []
     for backend in backends:
         cfg = Config(generation_backend=backend, num_generations=8, per_device_train_batch_size=16,
                      max_completion_length=24, max_prompt_length=32, stop=STOPS)
-        path = eng.model_path(cfg)
-        tok = eng.load_tokenizer(path)
-        engine = eng.init_engine(eng.load_model(path, cfg), cfg, world) if not generators else generators[0][1]
+        path = model_path(cfg)
+        tok = load_tokenizer(path)
+        engine = eng.init_engine(load_model(path, cfg), cfg, world) if not generators else generators[0][1]
         gen = build_generator(cfg, engine, tok)
         generators.append((gen, engine))
         prompts = [tok("TITLE: my landlord wants").input_ids, tok("POST: a question about").input_ids]

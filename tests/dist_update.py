@@ -11,14 +11,18 @@ import sys
 
 import torch
 
-from recipe import engine as eng
-from recipe import liveness
-from recipe.buffer import RolloutBuffer
-from recipe.config import Config
-from recipe.generation import Completions
-from recipe.loss import group_advantages, zero_std_groups as all_equal_groups
-from recipe.train import rollout_stats
-from recipe.update import train_on_rollout
+from grpo_recipe.algo.buffer import RolloutBuffer
+from grpo_recipe.algo.loss import group_advantages
+from grpo_recipe.algo.loss import zero_std_groups as all_equal_groups
+from grpo_recipe.algo.update import train_on_rollout
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist import liveness
+from grpo_recipe.dist.group import init_distributed
+from grpo_recipe.generation import Completions
+from grpo_recipe.model import engine as eng
+from grpo_recipe.model.load import load_model
+from grpo_recipe.model.source import model_path
+from grpo_recipe.train import rollout_stats
 
 # adam_epsilon 1e-6: Adam turns float noise in near-zero gradients (e.g. the attention key bias, whose exact
 # gradient is 0) into lr-sized steps of random sign; a larger eps keeps the comparison about the update itself.
@@ -83,9 +87,9 @@ def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zer
     """Fresh engine, this rank's shard of the fixed rollout, `train_on_rollout` over it. Returns the engine,
     the reference, the buffer, the old-log-prob forwards, store counts and each step's statistics.
     `from_rewards`: advantages from fixed rewards as train.py computes them."""
-    path = eng.model_path(cfg)
+    path = model_path(cfg)
     torch.manual_seed(0)
-    engine = eng.init_engine(eng.load_model(path, cfg, world), cfg, world)
+    engine = eng.init_engine(load_model(path, cfg, world), cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0 else None
     buf = local_buffer(cfg, rank, world, zero_std_groups=zero_std_groups)
     if from_rewards:
@@ -107,7 +111,7 @@ def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zer
 
 def main():
     out_path, cases = sys.argv[1], json.loads(sys.argv[2])
-    rank, world = eng.init_distributed()
+    rank, world = init_distributed()
     results = {}
     for case in cases:
         name, from_rewards = case.pop("name"), case.pop("from_rewards", False)

@@ -15,13 +15,16 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from recipe import engine as eng
-from recipe import liveness
-from recipe.buffer import RolloutBuffer
-from recipe.config import Config
-from recipe.generation import build_generator, finish
-from recipe.generation.vllm import cpu_shm_segments
-from recipe.update import forward_logps, train_on_rollout
+from grpo_recipe.algo.buffer import RolloutBuffer
+from grpo_recipe.algo.update import forward_logps, train_on_rollout
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist import liveness
+from grpo_recipe.dist.group import init_distributed
+from grpo_recipe.generation import build_generator, finish
+from grpo_recipe.generation.vllm import cpu_shm_segments
+from grpo_recipe.model import engine as eng
+from grpo_recipe.model.load import load_model, load_tokenizer
+from grpo_recipe.model.source import model_path
 
 ROUNDS = 2
 
@@ -38,7 +41,7 @@ def hf_greedy(model, tok, prompts, max_new):
 
 def plain_copy(engine, path, cfg):
     """A plain transformers model holding the engine's current (gathered) weights."""
-    model = eng.load_model(path, cfg).eval()
+    model = load_model(path, cfg).eval()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         model.load_state_dict({k: v.clone() for k, v in engine.module.state_dict().items()}, strict=False)
     model.tie_weights()
@@ -58,13 +61,13 @@ def grpo_round(gen, engine, tok, prompts, r, ref=None):
 
 def main():
     out, tp = sys.argv[1], int(sys.argv[2])
-    rank, world = eng.init_distributed()
+    rank, world = init_distributed()
     cfg = Config(generation_backend="vllm", num_iterations=1, num_generations=2, per_device_train_batch_size=4,
                  max_completion_length=12, max_prompt_length=32, learning_rate=0.05, top_k=0, vllm_tis_cap=2.0,
                  vllm_tensor_parallel_size=tp)
-    path = eng.model_path(cfg)
-    tok = eng.load_tokenizer(path)
-    engine = eng.init_engine(eng.load_model(path, cfg), cfg, world)
+    path = model_path(cfg)
+    tok = load_tokenizer(path)
+    engine = eng.init_engine(load_model(path, cfg), cfg, world)
     gen = build_generator(cfg, engine, tok)
     gen.chunk_numel = 40_000  # several gathers per sync even for the tiny model
     chunks = [0]
@@ -76,7 +79,7 @@ def main():
 
     deepspeed.zero.GatheredParameters.__enter__ = counting_enter
     prompts = [tok(f"TITLE: rank {rank} asks about").input_ids, tok("POST: my landlord wants the deposit").input_ids]
-    init_greedy = hf_greedy(eng.load_model(path, cfg).eval(), tok, prompts, cfg.max_completion_length)
+    init_greedy = hf_greedy(load_model(path, cfg).eval(), tok, prompts, cfg.max_completion_length)
     flags = {"greedy_before_training": gen_greedy(gen, prompts) == init_greedy}
     logp_err, results = 0.0, []
     for r in range(ROUNDS):

@@ -10,7 +10,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from recipe.metrics import read_jsonl
+from grpo_recipe.run.metrics import read_jsonl
 
 
 def children(pid: int) -> list[int]:
@@ -35,7 +35,7 @@ def alive(pid: int) -> bool:
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the recipe.train processes below a launcher. A rank's own child (a fork not yet exec'd
+    """{rank: pid} of the grpo_recipe.train processes below a launcher. A rank's own child (a fork not yet exec'd
     shows the rank's command line and environment) is not the rank: stopping it instead once left the real
     rank running and the stopped child holding the launcher's pipes."""
     found, ranks = {}, set()
@@ -46,7 +46,7 @@ def rank_pids(launcher: int) -> dict[int, int]:
             parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if b"recipe.train" in cmd and b"RANK" in env and parent not in ranks:
+        if b"grpo_recipe.train" in cmd and b"RANK" in env and parent not in ranks:
             found[int(env[b"RANK"])] = pid
             ranks.add(pid)
     return found

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from recipe.launch import free_port
+from grpo_recipe.dist.env import free_port
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "runuser")

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from recipe.examples.arith_rewards import correctness, extract_answer, format_reward
-from recipe.rewards import load_reward_funcs, score
+from grpo_recipe.examples.arith_rewards import correctness, extract_answer, format_reward
+from grpo_recipe.rewards.funcs import load_reward_funcs, score
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -38,8 +38,8 @@ def test_format_reward_levels():
 
 
 def test_loads_from_yaml_style_specs_like_any_user_function():
-    funcs = load_reward_funcs(["recipe.examples.arith_rewards:correctness",
-                               {"func": "recipe.examples.arith_rewards:format_reward", "weight": 0.2}])
+    funcs = load_reward_funcs(["grpo_recipe.examples.arith_rewards:correctness",
+                               {"func": "grpo_recipe.examples.arith_rewards:format_reward", "weight": 0.2}])
     total, per = score(funcs, ["q", "q"], ["Answer: 4", "4"], {"answer": ["4", "5"]})
     assert per["correctness"].tolist() == [1.0, 0.0]
     assert total.tolist() == pytest.approx([1.2, 0.0])

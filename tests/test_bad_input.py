@@ -2,7 +2,7 @@
 expensive work (1 for what goes wrong during a run), and nothing already written is lost.
 
 One table: the exact input, the exit code, the words the message must contain. The cheap cases run in this
-process (`recipe.train.main`; none of them may start a process group); the few that need a running engine run
+process (`grpo_recipe.train.main`; none of them may start a process group); the few that need a running engine run
 as one process or under torchrun with 2 ranks. Files the user had before the run must be unchanged after it;
 checkpoints written before a failure must still match their manifest.
 """
@@ -22,14 +22,14 @@ from typing import Callable
 
 import pytest
 import torch
-
 from conftest import REPO, torchrun
-from recipe.checkpoint import Checkpointer
-from recipe.config import Config
-from recipe.launch import free_port, rank_env
-from recipe.metrics import read_jsonl
 
-QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist.env import free_port, rank_env
+from grpo_recipe.run.checkpoint import Checkpointer
+from grpo_recipe.run.metrics import read_jsonl
+
+QUICKSTART = str(REPO / "grpo_recipe/configs/quickstart.yaml")
 SHORT = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
          "--max_completion_length", "8", "--disable_tqdm", "true", "--num_iterations", "1"]
 PROMPTS = [{"prompt": f"TL;DR of post {i}: the cat sat on the mat."} for i in range(8)]
@@ -56,7 +56,7 @@ def first_save_room() -> int:
     fills in the middle of torch's write."""
     from safetensors.torch import load_file
 
-    from recipe.tiny import ensure_builtin
+    from grpo_recipe.model.tiny import ensure_builtin
 
     params = sum(t.numel() for t in load_file(ensure_builtin("builtin:tiny-qwen2") / "model.safetensors").values())
     return 12 * params + 3 * 4096
@@ -84,7 +84,7 @@ def resumed_past_the_corrupt_one(out: Path) -> None:
 def fp32_weights(checkpoint: Path) -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from recipe.export import _weights_only_torch_load
+    from grpo_recipe.tools.export import _weights_only_torch_load
 
     with _weights_only_torch_load():
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="ds")
@@ -214,7 +214,7 @@ CASES = [
          files={"m/config.json": "{}", "m/model.safetensors": "x"}),
     Case("model_is_a_checkpoint", ["--model_name_or_path", "out/checkpoints/step-00000002"], 2,
          ["config error: model_name_or_path: out/checkpoints/step-00000002 is a recipe checkpoint",
-          "python -m recipe.export"], files={"out/checkpoints/step-00000002/meta.json": "{}",
+          "python -m grpo_recipe.tools.export"], files={"out/checkpoints/step-00000002/meta.json": "{}",
                                              "out/checkpoints/step-00000002/ds/x.pt": "x"}),
     Case("tokenizer_without_eos", ["--model_name_or_path", "noeos"], 2,
          ["config error: model_name_or_path: no usable tokenizer in", "has no EOS token"], prepare=tokenizer_without_eos),
@@ -339,7 +339,7 @@ def run(case: Case, argv: list[str], env: dict, ws: Path, monkeypatch, capsys) -
     if case.ranks == 0:  # in this process: each case must fail before any process group or model
         import torch.distributed as dist
 
-        from recipe.train import main
+        from grpo_recipe.train import main
 
         monkeypatch.chdir(ws)
         for k, v in env.items():
@@ -350,10 +350,10 @@ def run(case: Case, argv: list[str], env: dict, ws: Path, monkeypatch, capsys) -
         return code, capsys.readouterr().err
     full_env = {k: v for k, v in {**rank_env(), **env}.items() if v}
     if case.ranks == 2:  # torchrun ends with 1 whatever a rank's code (launch/local.sh keeps 2: test_launch.py)
-        proc = torchrun(2, ["-m", "recipe.train", *argv], check=False, timeout=900,
+        proc = torchrun(2, ["-m", "grpo_recipe.train", *argv], check=False, timeout=900,
                         **{k: v for k, v in env.items() if v})
     else:
-        proc = subprocess.run([sys.executable, "-m", "recipe.train", *argv], cwd=ws, env=full_env,
+        proc = subprocess.run([sys.executable, "-m", "grpo_recipe.train", *argv], cwd=ws, env=full_env,
                               capture_output=True, text=True, timeout=900)
     return proc.returncode, proc.stderr
 

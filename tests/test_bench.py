@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, torchrun
-from recipe.launch import rank_env
+
+from grpo_recipe.dist.env import rank_env
 
 
 def assert_plot(path, width, height):
@@ -87,7 +87,7 @@ def test_metrics_tail_parses_only_complete_new_lines(tmp_path):
 
 
 def test_regime_rewards_load_as_file_specs():
-    from recipe.rewards import load_reward_funcs
+    from grpo_recipe.rewards.funcs import load_reward_funcs
 
     vowel, no_e = load_reward_funcs([f"{REPO / 'bench' / 'regime_rewards.py'}:{f}" for f in ("vowel_share", "no_e_share")])
     assert vowel.fn(["p"] * 4, ["aeb", "", "xyz", "Oui!"]) == [2 / 3, 0.0, 0.0, 2 / 4]  # capitals are not counted

@@ -5,7 +5,6 @@ import math
 import sys
 
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))

@@ -8,7 +8,6 @@ import sys
 import venv
 
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -65,8 +64,9 @@ def test_steps_are_whole_rollouts_and_at_least_two():
 
 
 def test_prompt_file_is_the_recipes_truncation(tmp_path):
-    from recipe.data import PromptStream, load_prompt_dataset
-    from recipe.engine import load_tokenizer, model_path
+    from grpo_recipe.data.prompts import PromptStream, load_prompt_dataset
+    from grpo_recipe.model.load import load_tokenizer
+    from grpo_recipe.model.source import model_path
 
     cfg = quickstart("max_prompt_length=64")
     tok = load_tokenizer(model_path(cfg))

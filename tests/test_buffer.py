@@ -1,7 +1,7 @@
 """Rollout buffer: padding layout, per-pass schedule, old log-prob bookkeeping, exact state round trip."""
 import torch
 
-from recipe.buffer import RolloutBuffer
+from grpo_recipe.algo.buffer import RolloutBuffer
 
 
 def make(n=8, order_seed=3):

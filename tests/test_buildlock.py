@@ -7,14 +7,14 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO
-from recipe.launch import rank_env
-from recipe.launch import torchrun as torchrun_cmd
-from recipe.metrics import read_jsonl
-from recipe import buildlock
 
-HOLD = "import sys, time; from recipe.buildlock import exclusive\nwith exclusive(sys.argv[1], 'a test build'):\n" \
+from grpo_recipe.dist import buildlock
+from grpo_recipe.dist.env import rank_env
+from grpo_recipe.dist.env import torchrun as torchrun_cmd
+from grpo_recipe.run.metrics import read_jsonl
+
+HOLD = "import sys, time; from grpo_recipe.dist.buildlock import exclusive\nwith exclusive(sys.argv[1], 'a test build'):\n" \
        "    print('held', flush=True); time.sleep(float(sys.argv[2]))"
 
 
@@ -48,7 +48,7 @@ def test_a_waiter_says_what_it_waits_for_and_who_holds_it(tmp_path, monkeypatch,
 
 
 def run_two_ranks(out, ext_dir, **env):
-    cmd = torchrun_cmd(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "2",
+    cmd = torchrun_cmd(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", "--max_steps", "2",
                            "--per_device_train_batch_size", "4", "--num_generations", "4",
                            "--max_completion_length", "8", "--disable_tqdm", "true", "--output_dir", str(out)])
     log = open(f"{out}.log", "w+")  # a file, not a pipe: two runs' output must never block on a full pipe
@@ -70,7 +70,7 @@ def test_killed_builder_then_two_concurrent_first_runs_build_the_op_once(tmp_pat
     ext = tmp_path / "ext"
     op_dir = ext / buildlock.COMM_OP
     # A builder killed mid-build (with its compiler) leaves torch's lock file behind.
-    builder = subprocess.Popen([sys.executable, "-c", "from recipe.buildlock import load_comm_op; load_comm_op()"],
+    builder = subprocess.Popen([sys.executable, "-c", "from grpo_recipe.dist.buildlock import load_comm_op; load_comm_op()"],
                                cwd=REPO, env=rank_env(TORCH_EXTENSIONS_DIR=ext), start_new_session=True,
                                stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

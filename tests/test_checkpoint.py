@@ -10,20 +10,20 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, torchrun
 from procs import descendants, wait_for_step
-from recipe.checkpoint import CheckpointError, Checkpointer, rng_state, safe_load, set_rng_state
-from recipe.config import Config
-from recipe.launch import PREEMPTED_EXIT_CODE, rank_env
-from recipe.launch import torchrun as torchrun_cmd
-from recipe.metrics import read_jsonl
+
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist.env import PREEMPTED_EXIT_CODE, rank_env
+from grpo_recipe.dist.env import torchrun as torchrun_cmd
+from grpo_recipe.run.checkpoint import Checkpointer, CheckpointError, rng_state, safe_load, set_rng_state
+from grpo_recipe.run.metrics import read_jsonl
 
 # The quickstart's shape (2 ranks, ZeRO-3) at a fixed mu = 4 made short: 12 steps = 3 rollouts of 4 passes (a fixed
 # mu: num_iterations: auto prices g from each run's clock, so two runs need not take the same passes; its resume is
 # tested in test_reuse.py). The learning rate warms up over 8 steps, then decays (cosine): every resume below
 # (from step 3 or 6) crosses the warmup's end.
-RUN = ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--num_iterations", "4",
+RUN = ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", "--num_iterations", "4",
        "--max_steps", "12", "--save_steps", "3",
        "--save_total_limit", "0", "--disable_tqdm", "true", "--lr_scheduler_type", "cosine", "--warmup_steps", "8"]
 TIMING = {"tokens_per_s", "step_time_s", "step_cpu_s"}  # and every time_*_s key
@@ -180,7 +180,7 @@ def manifest_checkpoint(folder, step):
     """A checkpoint folder with a manifest as Checkpointer.save writes it (contents do not matter to find())."""
     import json
 
-    from recipe.checkpoint import _file_sizes, crc32_file
+    from grpo_recipe.run.checkpoint import _file_sizes, crc32_file
 
     (folder / "ds").mkdir(parents=True)
     (folder / "ds" / "shard.pt").write_bytes(bytes(range(256)) * 32)
@@ -247,7 +247,7 @@ def test_rng_states_round_trip():
 def test_resume_config_check_ignores_fields_added_later_at_their_default(tmp_path):
     import json
 
-    from recipe.config import Config
+    from grpo_recipe.config.schema import Config
 
     folder = tmp_path / "step-1"
     folder.mkdir()
@@ -264,7 +264,7 @@ def test_a_checkpoint_from_the_cap_of_4_names_the_flag_that_resumes_it(tmp_path)
     is refused with the field named (the README's advice: resume with --reuse_max_iterations 4), and resumes so."""
     import json
 
-    from recipe.config import Config
+    from grpo_recipe.config.schema import Config
 
     folder = tmp_path / "step-1"
     folder.mkdir()

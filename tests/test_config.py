@@ -5,14 +5,14 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
-from recipe.config import BiasedSamplingError, Config, ConfigError
-from recipe.config_load import load_config
-from recipe.launch import rank_env
-from recipe.preflight import preflight
 
-QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
+from grpo_recipe.config.load import load_config
+from grpo_recipe.config.schema import BiasedSamplingError, Config, ConfigError
+from grpo_recipe.dist.env import rank_env
+from grpo_recipe.run.preflight import preflight
+
+QUICKSTART = str(REPO / "grpo_recipe/configs/quickstart.yaml")
 
 
 def test_derived_sizes():
@@ -79,7 +79,7 @@ def test_bad_values_are_named(args, message, caught_by):
 
 def test_cli_reports_a_preflight_error_as_a_config_error(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, "--reward_funcs",
+    proc = subprocess.run([sys.executable, "-m", "grpo_recipe.train", "--config", QUICKSTART, "--reward_funcs",
                            "[length_typo]", "--output_dir", str(out)], cwd=REPO, env=rank_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2

@@ -1,16 +1,16 @@
-"""--help: every field of the config with its type, default and description; `python -m recipe.train --help`
+"""--help: every field of the config with its type, default and description; `python -m grpo_recipe.train --help`
 prints it and exits 0."""
 import dataclasses
 import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
-from recipe.config import Config
-from recipe.config_load import HelpRequested, parse_cli
-from recipe.config_help import help_text
-from recipe.launch import rank_env
+
+from grpo_recipe.config.help import help_text
+from grpo_recipe.config.load import HelpRequested, parse_cli
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist.env import rank_env
 
 
 def test_help_lists_every_field_with_type_default_and_description():
@@ -22,7 +22,7 @@ def test_help_lists_every_field_with_type_default_and_description():
         assert f.metadata["help"] in text
     assert "  --learning_rate (float, default: 1.0e-06)" in text
     assert "  --dataset_config (str | null, default: null)" in text
-    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--help"], cwd=REPO, env=rank_env(),
+    proc = subprocess.run([sys.executable, "-m", "grpo_recipe.train", "--help"], cwd=REPO, env=rank_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == text and not proc.stderr.strip()
 

@@ -4,13 +4,13 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
-from recipe.config import Config, ConfigError
-from recipe.config_load import load_config, parse_cli
-from recipe.launch import rank_env
 
-QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
+from grpo_recipe.config.load import load_config, parse_cli
+from grpo_recipe.config.schema import Config, ConfigError
+from grpo_recipe.dist.env import rank_env
+
+QUICKSTART = str(REPO / "grpo_recipe/configs/quickstart.yaml")
 
 
 def test_yaml_and_cli_overrides():
@@ -66,7 +66,7 @@ def test_missing_config_file_and_bad_cli():
 
 def test_cli_exits_2_with_one_line_before_any_work(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, "--num_iterations", "0",
+    proc = subprocess.run([sys.executable, "-m", "grpo_recipe.train", "--config", QUICKSTART, "--num_iterations", "0",
                            "--output_dir", str(out)], cwd=REPO, env=rank_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
@@ -80,7 +80,7 @@ def test_readme_shows_the_example_config_as_shipped():
 
     readme = (REPO / "README.md").read_text()
     block = readme.split("CI runs it end to end:\n\n```yaml\n", 1)[1].split("```", 1)[0]
-    shipped = REPO / "recipe/configs/gsm8k_local.yaml"
+    shipped = REPO / "grpo_recipe/configs/gsm8k_local.yaml"
     assert yaml.safe_load(block) == yaml.safe_load(shipped.read_text())
     assert load_config(["--config", str(shipped)]).prompt_column == "question"
 
@@ -113,7 +113,34 @@ def test_report_to_takes_a_list_or_one_name_and_the_old_tensorboard_flag_says_wh
         load_config(["--report_to_tensorboard", "true"])
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "recipe/configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO / "grpo_recipe/configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     cfg = load_config(["--config", str(path)], world_size=2)
     assert cfg.max_steps >= 1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--reward_funcs", "[recipe.examples.arith_rewards:correctness]"],
+     "reward_funcs: 'recipe.examples.arith_rewards:correctness' names the package `recipe`, which is now "
+     "`grpo_recipe`: write 'grpo_recipe.examples.arith_rewards:correctness'"),
+    (["--dataset_name", "recipe/data/gsm8k_like.parquet"], "write 'grpo_recipe/assets/gsm8k_like.parquet'"),
+    (["--config", "recipe/configs/quickstart.yaml"],
+     "config file not found: recipe/configs/quickstart.yaml (the package `recipe` is now `grpo_recipe`: "
+     "grpo_recipe/configs/quickstart.yaml)"),
+])
+def test_a_config_naming_the_old_package_gets_the_new_name(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused_naming_both_lines(tmp_path):
+    """Issue #41.7: PyYAML keeps the last of two equal keys silently (a run at learning_rate 5.0)."""
+    path = tmp_path / "dup.yaml"
+    path.write_text("learning_rate: 0.002\nmax_steps: 4\nlearning_rate: 5.0\n")
+    with pytest.raises(ConfigError, match=r"config file .*dup.yaml: 'learning_rate' is set twice, on line 1 and line 3"):
+        load_config(["--config", str(path)])
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("reward_funcs:\n  - {func: length, weight: 1.0, weight: 2.0}\n")
+    with pytest.raises(ConfigError, match="'weight' is set twice, on line 2 and line 2"):
+        load_config(["--config", str(nested)])

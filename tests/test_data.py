@@ -7,10 +7,17 @@ import json
 import pytest
 import torch
 
-from recipe.config import Config
-from recipe.data import (DataError, PromptStream, check_prompts, left_pad, load_datasets, load_prompt_dataset,
-                         uses_chat_template)
-from recipe.engine import load_tokenizer
+from grpo_recipe.algo.buffer import left_pad
+from grpo_recipe.config.schema import Config
+from grpo_recipe.data.prompts import (
+    DataError,
+    PromptStream,
+    check_prompts,
+    load_datasets,
+    load_prompt_dataset,
+    uses_chat_template,
+)
+from grpo_recipe.model.load import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +160,7 @@ def test_eval_dataset_config_picks_the_eval_sets_config(tmp_path):
 
 def chat_tokenizer(tok, folder):
     """The tiny tokenizer with a chat template (it has none), saved and reloaded as a user's would be."""
-    from recipe.engine import load_tokenizer
+    from grpo_recipe.model.load import load_tokenizer
 
     tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                          "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}<assistant>")

@@ -2,12 +2,12 @@
 import json
 
 import pytest
-
 from conftest import REPO
-from recipe.config import Config
-from recipe.engine import ds_config
 from dist_update import BASE
 from test_update import max_diff, reference_update, run_cases
+
+from grpo_recipe.config.schema import Config
+from grpo_recipe.model.ds_config import ds_config
 
 CONFIGS = sorted(p.name for p in (REPO / "ds_configs").glob("*.json"))
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from recipe.evaluate import evaluate, main
+from grpo_recipe.tools.evaluate import evaluate, main
 
 
 def test_batched_greedy_matches_single_prompt_decoding_and_accuracy(tmp_path, tiny_model_dir):

@@ -1,8 +1,8 @@
-"""Evaluation during training (recipe/evaluation.py): the eval prompts' shards. The metrics themselves, and that
+"""Evaluation during training (grpo_recipe/run/evaluation.py): the eval prompts' shards. The metrics themselves, and that
 evaluation leaves training unchanged, are tested end to end in tests/test_train.py."""
 import pytest
 
-from recipe.evaluation import shard
+from grpo_recipe.run.evaluation import shard
 
 
 @pytest.mark.parametrize("n, world", [(5, 2), (4, 2), (1, 2), (7, 3), (3, 1), (2, 4)])

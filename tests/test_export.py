@@ -1,4 +1,4 @@
-"""recipe.export: a checkpoint (or an output folder's newest one) to a Hugging Face folder, every file unpickled
+"""grpo_recipe.tools.export: a checkpoint (or an output folder's newest one) to a Hugging Face folder, every file unpickled
 with weights_only=True, refused with one line when the checkpoint does not match its manifest."""
 import json
 import subprocess
@@ -6,10 +6,10 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO
-from recipe.checkpoint import _file_sizes, crc32_file
-from recipe.export import main
+
+from grpo_recipe.run.checkpoint import _file_sizes, crc32_file
+from grpo_recipe.tools.export import main
 
 
 @pytest.mark.slow
@@ -19,7 +19,7 @@ def test_export_gives_the_final_model_of_the_run(hub_run, tmp_path):
 
     ws, _, env, _ = hub_run
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "recipe.export", str(ws / "run"), str(out)], cwd=ws, env=env,
+    proc = subprocess.run([sys.executable, "-m", "grpo_recipe.tools.export", str(ws / "run"), str(out)], cwd=ws, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{ws / 'run' / 'checkpoints' / 'step-00000002'} -> {out}" in proc.stdout  # the newest one
@@ -56,7 +56,7 @@ def test_export_refuses_a_checkpoint_that_does_not_match_its_manifest(tmp_path, 
 
 
 def test_export_help_runs_without_a_checkpoint():
-    proc = subprocess.run([sys.executable, "-m", "recipe.export", "--help"], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "grpo_recipe.tools.export", "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "weights_only=True" in proc.stdout
 
@@ -65,10 +65,10 @@ def test_export_help_runs_without_a_checkpoint():
 def test_export_of_a_lora_checkpoint_gives_the_adapter_and_the_merged_model(tmp_path):
     from safetensors.torch import load_file
 
-    from recipe.launch import rank_env
+    from grpo_recipe.dist.env import rank_env
 
     run = tmp_path / "run"
-    train = subprocess.run([sys.executable, "-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml",
+    train = subprocess.run([sys.executable, "-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml",
                             "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
                             "--max_completion_length", "8", "--disable_tqdm", "true", "--use_peft", "true",
                             "--learning_rate", "0.02", "--save_steps", "1", "--save_merged", "true",

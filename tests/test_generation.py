@@ -3,9 +3,9 @@ stop strings on both backends."""
 import json
 
 import pytest
-
 from conftest import needs_vllm, torchrun
-from recipe.generation import finish
+
+from grpo_recipe.generation import finish
 
 
 class FakeTok:

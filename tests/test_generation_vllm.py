@@ -6,14 +6,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import needs_vllm, torchrun
-from recipe.metrics import read_jsonl, reward_quarters
-from recipe.config import ConfigError
-from recipe.config_load import load_config
-from recipe.preflight import preflight
-from recipe.generation.vllm import CPU_HEAD_SIZES, VLLMUnavailable, check_cpu_head_size
 
+from grpo_recipe.config.load import load_config
+from grpo_recipe.config.schema import ConfigError
+from grpo_recipe.generation.vllm import CPU_HEAD_SIZES, VLLMUnavailable, check_cpu_head_size
+from grpo_recipe.run.metrics import read_jsonl, reward_quarters
+from grpo_recipe.run.preflight import preflight
 
 
 def write_config(tmp_path, hidden, heads):
@@ -92,7 +91,7 @@ def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     """Also evaluates through vLLM (greedy: temperature 0) before the first step and at the end of rollouts 9
     and 19; the evaluation's sync is the one the next rollout needed, so the syncs stay one per rollout."""
     out = tmp_path / "qs"
-    torchrun(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--generation_backend", "vllm",
+    torchrun(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", "--generation_backend", "vllm",
                  "--num_iterations", "4", "--max_steps", "80", "--vllm_tis_cap", "2.0", "--output_dir", str(out),
                  "--disable_tqdm", "true", "--eval_holdout_size", "5", "--eval_steps", "40", "--eval_on_start", "true"],
              timeout=1200)

@@ -7,13 +7,13 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO
-from recipe.launch import rank_env
-from recipe.metrics import read_jsonl
 from procs import alive, descendants, is_loopback, listening, rank_pids, running
 
-SHORT = ["--config", "recipe/configs/quickstart.yaml", "--per_device_train_batch_size", "4",
+from grpo_recipe.dist.env import rank_env
+from grpo_recipe.run.metrics import read_jsonl
+
+SHORT = ["--config", "grpo_recipe/configs/quickstart.yaml", "--per_device_train_batch_size", "4",
          "--gradient_accumulation_steps", "1", "--num_generations", "4", "--max_completion_length", "8",
          "--disable_tqdm", "true"]
 
@@ -38,7 +38,7 @@ def test_local_sh_two_cpu_ranks_short_run_with_offload_config(tmp_path):
     out = tmp_path / "out"
     env = rank_env(VENV_PY=sys.executable, NPROC=2)
     del env["OMP_NUM_THREADS"]  # local.sh must set it
-    proc = subprocess.run(["bash", "launch/local.sh", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "3",
+    proc = subprocess.run(["bash", "launch/local.sh", "--config", "grpo_recipe/configs/quickstart.yaml", "--max_steps", "3",
                            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
                            "--num_generations", "4", "--max_completion_length", "8", "--disable_tqdm", "true",
                            "--deepspeed_config", "ds_configs/zero3_offload.json", "--beta", "0.05",
@@ -89,7 +89,7 @@ def test_signal_to_the_launcher_checkpoints_exits_75_and_leaves_no_rank(tmp_path
 
 def test_a_single_process_run_listens_on_loopback_only(tmp_path):
     out = tmp_path / "out"
-    with running([sys.executable, "-m", "recipe.train", *SHORT, "--max_steps", "100000", "--save_steps", "0",
+    with running([sys.executable, "-m", "grpo_recipe.train", *SHORT, "--max_steps", "100000", "--save_steps", "0",
                   "--output_dir", str(out)], out, cwd=REPO, env=rank_env()) as proc:
         sockets = listening([proc.pid])
         proc.send_signal(signal.SIGUSR1)

@@ -1,18 +1,19 @@
 """LoRA under ZeRO-3 on real gloo ranks vs single-process peft and plain PyTorch; merging; saving; config."""
 import pytest
 import torch
-
 from conftest import REPO, torchrun
-from recipe.metrics import read_jsonl, reward_quarters
 from dist_lora import CASE, PROBE, PROMPTS
 from dist_update import BASE, local_buffer
-from recipe.config import Config, ConfigError
-from recipe.config_load import load_config
-from recipe.data import left_pad
 from test_update import max_diff, ref_logps, reference_update
 
+from grpo_recipe.algo.buffer import left_pad
+from grpo_recipe.config.load import load_config
+from grpo_recipe.config.schema import Config, ConfigError
+from grpo_recipe.model.load import load_model
+from grpo_recipe.run.metrics import read_jsonl, reward_quarters
+
 PREFIX = "base_model.model."
-QUICKSTART_LORA = "recipe/configs/quickstart_lora.yaml"
+QUICKSTART_LORA = "grpo_recipe/configs/quickstart_lora.yaml"
 
 
 def base_name(peft_name: str) -> str:
@@ -141,10 +142,9 @@ def test_saved_adapter_and_merged_model_reproduce_the_trained_logits(run, tiny_m
 # ------------------------------------------------------------------------------------------
 def lora_tiny(tiny_model_dir, scale=0.2):
     """The recipe's LoRA tiny model with a random (large) lora_B, so the adapter matters."""
-    from recipe import engine as eng
 
     cfg = Config(use_peft=True, lora_r=4, lora_alpha=8)
-    model = eng.load_model(str(tiny_model_dir), cfg).eval()
+    model = load_model(str(tiny_model_dir), cfg).eval()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -154,7 +154,7 @@ def lora_tiny(tiny_model_dir, scale=0.2):
 
 
 def test_merge_cycles_restore_weights_exactly_and_match_unmerged(tiny_model_dir):
-    from recipe.lora import merged_adapter
+    from grpo_recipe.model.lora import merged_adapter
 
     model = lora_tiny(tiny_model_dir)
     ids = torch.randint(1, 500, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -176,7 +176,7 @@ def test_unmergeable_layer_type_falls_back_to_unmerged_adapter_with_warning():
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    from recipe.lora import merged_adapter
+    from grpo_recipe.model.lora import merged_adapter
 
     class OpaqueLinear(torch.nn.Linear):  # stands for a kernel-backed linear peft cannot merge into
         pass
@@ -209,11 +209,10 @@ def test_tied_lm_head_runs_unmerged_and_merged_save_unties_it(tiny_model_dir, tm
     """The tiny model ties lm_head to the input embeddings: merging into it would change the embeddings too."""
     from transformers import AutoModelForCausalLM
 
-    from recipe import engine as eng
-    from recipe.lora import merged_adapter, merged_model
+    from grpo_recipe.model.lora import merged_adapter, merged_model
 
     cfg = Config(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "lm_head"])
-    model = eng.load_model(str(tiny_model_dir), cfg).eval()
+    model = load_model(str(tiny_model_dir), cfg).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -242,7 +241,7 @@ def test_tied_lm_head_runs_unmerged_and_merged_save_unties_it(tiny_model_dir, tm
 ])
 def test_bad_lora_config_is_named(args, message):
     with pytest.raises(ConfigError) as e:
-        load_config(["--config", str(REPO / "recipe/configs/quickstart.yaml"), *args])
+        load_config(["--config", str(REPO / "grpo_recipe/configs/quickstart.yaml"), *args])
     assert message in str(e.value)
 
 
@@ -259,10 +258,10 @@ def test_quickstart_lora_end_to_end_reward_rises(tmp_path, tiny_model_dir):
 
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
+    from test_train import REQUIRED_KEYS
     from transformers import AutoModelForCausalLM
 
-    from recipe.launch import rank_env
-    from test_train import REQUIRED_KEYS
+    from grpo_recipe.dist.env import rank_env
 
     out = tmp_path / "qs"
     proc = subprocess.run(["bash", "launch/local.sh", "--config", QUICKSTART_LORA, "--output_dir", str(out),

@@ -4,8 +4,17 @@ import math
 import pytest
 import torch
 
-from recipe.loss import (clip_counts, group_advantages, k3_kl, loss_normalizers, policy_loss, reduce_loss,
-                         token_logps, truncated_is_weights, zero_std_groups)
+from grpo_recipe.algo.loss import (
+    clip_counts,
+    group_advantages,
+    k3_kl,
+    loss_normalizers,
+    policy_loss,
+    reduce_loss,
+    token_logps,
+    truncated_is_weights,
+    zero_std_groups,
+)
 
 LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo")
 
@@ -209,7 +218,7 @@ def test_loss_normalizers_are_each_loss_types_units_per_step_over_world():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_entropy_comes_with_the_log_probs_and_equals_the_direct_formula(temperature, monkeypatch):
-    import recipe.loss as loss_mod
+    import grpo_recipe.algo.loss as loss_mod
 
     monkeypatch.setattr(loss_mod, "LOGPS_CHUNK_ELEMENTS", 3 * 11)  # several chunks of positions
     g = torch.Generator().manual_seed(4)
@@ -237,7 +246,7 @@ def test_zero_std_groups_are_the_groups_whose_rewards_are_all_equal():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logps_equal_full_log_softmax_with_gradient(monkeypatch, chunk, temperature, own_logits):
     """The chunked selective log-softmax against the full fp32 log-softmax, values and gradients (float64 truth)."""
-    import recipe.loss as loss_mod
+    import grpo_recipe.algo.loss as loss_mod
 
     monkeypatch.setattr(loss_mod, "LOGPS_CHUNK_ELEMENTS", chunk * 13)
     g = torch.Generator().manual_seed(0)

@@ -2,8 +2,8 @@
 import pytest
 
 pytest.importorskip("reasoning_gym")
-from recipe.make_gsm8k_like import DEFAULT_OUT, rows, write  # noqa: E402
-from recipe.math_answers import reference_answer  # noqa: E402
+from grpo_recipe.rewards.math_answers import reference_answer  # noqa: E402
+from grpo_recipe.tools.make_gsm8k_like import DEFAULT_OUT, rows, write  # noqa: E402
 
 
 def test_shipped_file_is_the_scripts_output(tmp_path):

@@ -1,7 +1,7 @@
 """Final-answer extraction and numeric comparison (the math_accuracy reward) on a table of answer formats."""
 import pytest
 
-from recipe.math_answers import answers_match, completion_answer, last_boxed, reference_answer, to_number
+from grpo_recipe.rewards.math_answers import answers_match, completion_answer, last_boxed, reference_answer, to_number
 
 
 @pytest.mark.parametrize("completion, answer, right", [

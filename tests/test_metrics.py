@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from recipe.metrics import MetricsLogger, Timer, read_jsonl, reward_quarters, sample_rows
+from grpo_recipe.algo.clock import Timer
+from grpo_recipe.run.metrics import MetricsLogger, read_jsonl, reward_quarters, sample_rows
 
 
 def test_read_jsonl_leaves_out_a_torn_last_line_only(tmp_path):

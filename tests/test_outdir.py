@@ -1,21 +1,21 @@
 """The output folder: another run's outputs are refused unless resumed or overwritten, one run at a time holds
-it, and resuming and pruning follow this run's lineage (real runs of recipe.train, real files and locks)."""
+it, and resuming and pruning follow this run's lineage (real runs of grpo_recipe.train, real files and locks)."""
 import json
 import signal
 import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
-from recipe.launch import rank_env
-from recipe.metrics import read_jsonl
 from procs import running
-from recipe.config import Config
-from recipe.outdir import OutputDirError, OutputLock, in_lineage
+
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist.env import rank_env
+from grpo_recipe.run.metrics import read_jsonl
+from grpo_recipe.run.outdir import OutputDirError, OutputLock, in_lineage
 
 # One plain process (a world of one), 4 completions per step, 8-token completions: a few seconds a step.
-RUN = [sys.executable, "-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "6",
+RUN = [sys.executable, "-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", "--max_steps", "6",
        "--num_iterations", "2", "--save_steps", "2", "--per_device_train_batch_size", "4",
        "--gradient_accumulation_steps", "1", "--num_generations", "4", "--max_completion_length", "8",
        "--disable_tqdm", "true"]
@@ -155,7 +155,7 @@ def test_a_second_run_on_a_busy_folder_stops_with_the_holder_and_the_first_is_un
 
 
 def test_the_lock_is_released_when_its_holder_dies(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from recipe.outdir import OutputLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpo_recipe.run.outdir import OutputLock; "
                                f"from pathlib import Path; lock = OutputLock(Path({str(tmp_path)!r})); "
                                "print('held', flush=True); time.sleep(600)"],
                               cwd=REPO, env=rank_env(), stdout=subprocess.PIPE, text=True)

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from recipe.config import ConfigError
-from recipe.launch import free_port
-from recipe.preflight import check_output_dir, hub_unreachable, model_folder
-
+from grpo_recipe.config.schema import ConfigError
+from grpo_recipe.dist.env import free_port
+from grpo_recipe.model.source import hub_unreachable, model_folder
+from grpo_recipe.run.preflight import check_output_dir
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_output_dir_must_be_a_folder_that_takes_files(tmp_path):
 def test_weight_count_reads_the_headers_only(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from recipe.preflight import weight_count
+    from grpo_recipe.model.source import weight_count
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert weight_count(tiny_model_dir) == sum(p.numel() for p in model.parameters())  # tied weights once

@@ -4,13 +4,13 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
-from recipe.launch import rank_env
-from recipe.metrics import read_jsonl
+
+from grpo_recipe.dist.env import rank_env
+from grpo_recipe.run.metrics import read_jsonl
 
 pytest.importorskip("reasoning_gym")
-from recipe.prepare_data import INSTRUCTION, build  # noqa: E402
+from grpo_recipe.tools.prepare_data import INSTRUCTION, build  # noqa: E402
 
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
          "allow_parentheses": False, "allow_negation": False}
@@ -36,7 +36,7 @@ def test_rows_and_split(tmp_path):
 
 def test_cli_errors_name_the_problem(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "recipe.prepare_data", "--out", str(tmp_path), *args],
+        return subprocess.run([sys.executable, "-m", "grpo_recipe.tools.prepare_data", "--out", str(tmp_path), *args],
                               cwd=REPO, env=rank_env(), capture_output=True, text=True, timeout=120)
 
     proc = run("--task", "no_such_task")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from recipe import prepare_model as pm
+from grpo_recipe.tools import prepare_model as pm
 
 
 def test_folder_source_is_prepared_once_and_loads_the_same(tmp_path, tiny_model_dir):

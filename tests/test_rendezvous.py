@@ -2,7 +2,15 @@
 import os
 
 from procs import listening
-from recipe.rendezvous import _interface_addresses, backend_env, host_store, interface_for, is_loopback, listening_socket
+
+from grpo_recipe.dist.rendezvous import (
+    _interface_addresses,
+    backend_env,
+    host_store,
+    interface_for,
+    is_loopback,
+    listening_socket,
+)
 
 
 def test_store_listens_on_the_given_address_only():

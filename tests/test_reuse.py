@@ -6,15 +6,15 @@ import sys
 
 import pytest
 import torch.distributed as dist
-
 from conftest import REPO, torchrun
-from recipe.checkpoint import safe_load
-from recipe.config import Config
-from recipe.launch import rank_env
-from recipe.metrics import read_jsonl
-from recipe.reuse import ReuseController, drift_rate, squared_updates
 
-RUN = ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "6",
+from grpo_recipe.algo.reuse import ReuseController, drift_rate, squared_updates
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist.env import rank_env
+from grpo_recipe.run.checkpoint import safe_load
+from grpo_recipe.run.metrics import read_jsonl
+
+RUN = ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", "--max_steps", "6",
        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--max_completion_length", "16",
        "--disable_tqdm", "true"]
 TIMING = ("time", "tokens_per_s", "step_time", "step_cpu")
@@ -139,8 +139,8 @@ def test_auto_prices_each_rollout_with_the_cost_ratio_measured_after_the_warmup(
     (["--reuse_measure_rollouts", "0"], "reuse_measure_rollouts: must be >= 1"),
 ])
 def test_bad_reuse_fields_are_named(args, message):
-    from recipe.config import ConfigError
-    from recipe.config_load import load_config
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.config.schema import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config(["--num_iterations", "auto", *args])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tests.reward_fixtures as fixtures
-from recipe.rewards import RewardError, check_answer_columns, length, load_reward_funcs, score
+from grpo_recipe.rewards.funcs import RewardError, check_answer_columns, length, load_reward_funcs, score
 
 
 def test_length_reward_formula():

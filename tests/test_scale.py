@@ -1,17 +1,17 @@
 """Large-model paths on real gloo ranks: partitioned loading, per-layer generation, bf16 training; config errors."""
 import pytest
 import torch
-
 from conftest import REPO, torchrun
 from dist_update import BASE, local_buffer
-from recipe import engine as eng
-from recipe.config import Config, ConfigError
-from recipe.config_load import load_config
-from recipe.preflight import check_bf16, preflight
-from recipe.update import forward_logps
 from test_update import ref_logps
 
-QUICKSTART = str(REPO / "recipe/configs/quickstart.yaml")
+from grpo_recipe.algo.update import forward_logps
+from grpo_recipe.config.load import load_config
+from grpo_recipe.config.schema import Config, ConfigError
+from grpo_recipe.model.load import load_model
+from grpo_recipe.run.preflight import check_bf16, preflight
+
+QUICKSTART = str(REPO / "grpo_recipe/configs/quickstart.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_partitioned_loading_gives_todays_weights_and_no_rank_holds_the_model(ru
     assert run["world"] == 2 and run["partitioned_on_every_rank"]
     for peft in (False, True):
         # today's loading: from_pretrained of the whole model (then the LoRA wrap), in one process
-        today = eng.load_model(str(tiny_model_dir), Config(**{**BASE, "use_peft": peft, "lora_r": 4, "lora_alpha": 8}))
+        today = load_model(str(tiny_model_dir), Config(**{**BASE, "use_peft": peft, "lora_r": 4, "lora_alpha": 8}))
         got = run["loading"]["zero3_lora" if peft else "zero3"]["state"]
         want = dict(today.named_parameters())
         assert got.keys() == want.keys()
@@ -35,13 +35,13 @@ def test_partitioned_loading_gives_todays_weights_and_no_rank_holds_the_model(ru
     assert run["loading"]["zero3_offload"]["engine_ok"]
     # a checkpoint without safetensors files (transformers' ZeRO-3 loading), and Linears shaped like a tied
     # head that are not one (partitioned after the tie): same weights
-    want = dict(eng.load_model(str(tiny_model_dir), Config(**BASE)).named_parameters())
+    want = dict(load_model(str(tiny_model_dir), Config(**BASE)).named_parameters())
     for case in ("bin", "square_heads"):
         assert all(torch.equal(run["loading"][case]["state"][k], v.detach()) for k, v in want.items()), case
 
 
 def test_hub_name_resolves_to_its_cached_snapshot(tmp_path, monkeypatch):
-    from recipe.partitioned_load import local_folder, safetensors_files
+    from grpo_recipe.model.partitioned import local_folder, safetensors_files
 
     snap = tmp_path / "models--org--tiny" / "snapshots" / ("a" * 40)
     snap.mkdir(parents=True)
@@ -112,7 +112,7 @@ def test_forward_logps_equal_the_full_logits_computation(tiny_model_dir, peft):
     """Logits for completion positions only, selective log-softmax: the same log-probs as the whole sequence's
     logits upcast to fp32 (plain PyTorch), also through a LoRA model, and the same gradients."""
     cfg = Config(**{**BASE, "use_peft": peft, "lora_r": 4, "lora_alpha": 8})
-    model = eng.load_model(str(tiny_model_dir), cfg)
+    model = load_model(str(tiny_model_dir), cfg)
     if peft:  # a non-zero adapter, so that it matters
         with torch.no_grad():
             for n, p in model.named_parameters():

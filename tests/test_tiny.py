@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from recipe import tiny
+from grpo_recipe.model import tiny
 
 
 @pytest.fixture
@@ -74,13 +74,14 @@ def test_saved_weights_load_back_identical_with_tied_head_named_as_embeddings(ca
 @pytest.mark.parametrize("start", ["empty", "incomplete"])
 def test_two_rank_run_from_an_empty_or_incomplete_cache(tmp_path, start):
     from conftest import torchrun
-    from recipe.metrics import read_jsonl
+
+    from grpo_recipe.run.metrics import read_jsonl
 
     cache = tmp_path / "cache"
     if start == "incomplete":
         tiny.build_tokenizer().save_pretrained(cache / f"tiny-qwen2-{tiny.VERSION}")
     out = tmp_path / "out"
-    proc = torchrun(2, ["-m", "recipe.train", "--config", "recipe/configs/quickstart.yaml", "--max_steps", "2",
+    proc = torchrun(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", "--max_steps", "2",
                         "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
                         "--disable_tqdm", "true", "--output_dir", str(out)], GRPO_RECIPE_CACHE=cache)
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.config import Config
-from recipe.trackers import build_trackers
+from grpo_recipe.config.schema import Config
+from grpo_recipe.run.trackers import build_trackers
 
 SECRET = "wandb-secret-3f9a1c-do-not-log"
 

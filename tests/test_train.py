@@ -5,12 +5,12 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, torchrun
-from recipe.launch import rank_env
-from recipe.metrics import read_jsonl, reward_quarters
 
-QUICKSTART = "recipe/configs/quickstart.yaml"
+from grpo_recipe.dist.env import rank_env
+from grpo_recipe.run.metrics import read_jsonl, reward_quarters
+
+QUICKSTART = "grpo_recipe/configs/quickstart.yaml"
 REQUIRED_KEYS = {"step", "generation", "iteration", "loss", "reward_mean", "reward_std", "reward/length",
                  "reward/length_std", "frac_reward_zero_std", "entropy", "learning_rate",
                  "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "completion_length_mean",
@@ -21,9 +21,9 @@ SHORT = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_a
 
 
 def test_rollout_statistics_against_direct_computation():
-    from recipe.generation import Completions
-    from recipe.loss import zero_std_groups
-    from recipe.train import rollout_stats
+    from grpo_recipe.algo.loss import zero_std_groups
+    from grpo_recipe.generation import Completions
+    from grpo_recipe.train import rollout_stats
 
     g = torch.Generator().manual_seed(0)
     length = torch.randn(12, generator=g)
@@ -57,7 +57,7 @@ def check_final_model(out):
 
 def test_plain_process_with_kl_and_two_optimizer_steps_per_pass(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, *SHORT,
+    proc = subprocess.run([sys.executable, "-m", "grpo_recipe.train", "--config", QUICKSTART, *SHORT,
                            "--num_iterations", "2", "--optimizer_steps_per_pass", "2", "--beta", "0.05",
                            "--output_dir", str(out)], cwd=REPO, env=rank_env(), capture_output=True, text=True,
                           timeout=600)
@@ -75,7 +75,7 @@ def test_plain_process_with_kl_and_two_optimizer_steps_per_pass(tmp_path):
 
 def test_deepspeed_launcher_two_ranks(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", "29731", "--module", "recipe.train",
+    proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", "29731", "--module", "grpo_recipe.train",
                            "--config", QUICKSTART, *SHORT, "--num_iterations", "4", "--output_dir", str(out)], cwd=REPO,
                           env=rank_env(PATH=f"{sys.prefix}/bin:" + rank_env()["PATH"]), capture_output=True,
                           text=True, timeout=600)
@@ -87,7 +87,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
 
 def test_bad_reward_stops_every_rank_with_its_name(tmp_path):
     out = tmp_path / "out"
-    proc = torchrun(2, ["-m", "recipe.train", "--config", QUICKSTART, *SHORT, "--output_dir", str(out),
+    proc = torchrun(2, ["-m", "grpo_recipe.train", "--config", QUICKSTART, *SHORT, "--output_dir", str(out),
                         "--reward_funcs", "[tests.reward_fixtures:has_nan]"], check=False, timeout=600)
     assert proc.returncode != 0
     assert "reward 'has_nan' returned nan at sample 1" in proc.stderr
@@ -97,7 +97,7 @@ def test_bad_reward_stops_every_rank_with_its_name(tmp_path):
 def test_zero_std_filter_leaves_out_groups_whose_rewards_are_all_equal(tmp_path):
     """A constant reward: every group has zero std, so with zero_std_filter no sample is trained on."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, *SHORT, "--max_steps", "2",
+    proc = subprocess.run([sys.executable, "-m", "grpo_recipe.train", "--config", QUICKSTART, *SHORT, "--max_steps", "2",
                            "--num_iterations", "1", "--zero_std_filter", "true", "--output_dir", str(out),
                            "--reward_funcs", "[tests.reward_fixtures:numpy_ones]"], cwd=REPO, env=rank_env(),
                           capture_output=True, text=True, timeout=600)
@@ -109,7 +109,7 @@ def test_zero_std_filter_leaves_out_groups_whose_rewards_are_all_equal(tmp_path)
 
 def test_answer_reward_without_answer_column_stops_before_the_model_loads(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "recipe.train", "--config", QUICKSTART, "--reward_funcs",
+    proc = subprocess.run([sys.executable, "-m", "grpo_recipe.train", "--config", QUICKSTART, "--reward_funcs",
                            "[math_accuracy]", "--output_dir", str(out)], cwd=REPO, env=rank_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -144,7 +144,7 @@ def test_train_your_own_example_config_end_to_end(tmp_path):
     """The README's "Train your own model on your own data" example as written there: launch/local.sh on the
     shipped GSM8K-shaped parquet file, the built-in math_accuracy reward and a reward function file."""
     out = tmp_path / "gsm"
-    proc = subprocess.run(["bash", "launch/local.sh", "--config", "recipe/configs/gsm8k_local.yaml", "--max_steps", "4",
+    proc = subprocess.run(["bash", "launch/local.sh", "--config", "grpo_recipe/configs/gsm8k_local.yaml", "--max_steps", "4",
                            "--output_dir", str(out), "--disable_tqdm"], cwd=REPO,
                           env=rank_env(VENV_PY=sys.executable, NPROC=2), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -175,9 +175,9 @@ def greedy_eval_reward_of_the_initial_model(tiny_model_dir):
     """Independently: each held-out prompt decoded greedily, alone, by the plain model; the length reward's mean."""
     from transformers import AutoModelForCausalLM
 
-    from recipe.config_load import load_config
-    from recipe.data import PromptStream, load_datasets
-    from recipe.engine import load_tokenizer
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.data.prompts import PromptStream, load_datasets
+    from grpo_recipe.model.load import load_tokenizer
 
     cfg = load_config(FEATURES)
     tok = load_tokenizer(str(tiny_model_dir))
@@ -195,14 +195,14 @@ def greedy_eval_reward_of_the_initial_model(tiny_model_dir):
 @pytest.mark.slow
 def test_eval_samples_trackers_and_schedule_leave_training_unchanged(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file
-
-    from recipe.schedule import lr_factor
     from test_trackers import SECRET, assert_no_secret, tensorboard_events, wandb_config, wandb_history
 
+    from grpo_recipe.algo.schedule import lr_factor
+
     on, off = tmp_path / "on", tmp_path / "off"
-    proc = torchrun(2, ["-m", "recipe.train", *FEATURES, *EVAL_ON, "--output_dir", str(on)], WANDB_MODE="offline",
+    proc = torchrun(2, ["-m", "grpo_recipe.train", *FEATURES, *EVAL_ON, "--output_dir", str(on)], WANDB_MODE="offline",
                     WANDB_API_KEY=SECRET, WANDB_SILENT="true")
-    torchrun(2, ["-m", "recipe.train", *FEATURES, "--disable_tqdm", "true", "--output_dir", str(off)])
+    torchrun(2, ["-m", "grpo_recipe.train", *FEATURES, "--disable_tqdm", "true", "--output_dir", str(off)])
 
     # Evaluation costs no training state: same weights, same training metrics, same RNG streams at every save.
     a, b = load_file(str(on / "final" / "model.safetensors")), load_file(str(off / "final" / "model.safetensors"))

@@ -3,10 +3,10 @@ import json
 
 import pytest
 import torch
-
 from conftest import torchrun
 from dist_update import BASE, fixed_rewards, local_buffer
-from recipe.config import Config
+
+from grpo_recipe.config.schema import Config
 
 LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo")
 SCALES = ("group", "batch", "none")
@@ -38,8 +38,11 @@ def ref_entropy_sum(model, buf, idx, temperature):
 
 def hf_scheduler(opt, cfg: Config):
     """transformers' own scheduler for the config's schedule (the recipe's must step exactly like it)."""
-    from transformers import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
-                              get_linear_schedule_with_warmup)
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_with_min_lr_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
 
     if cfg.lr_scheduler_type == "cosine":
         return get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.max_steps,
@@ -229,7 +232,7 @@ def test_mu1_never_computes_or_stores_old_logps(tmp_path):
 
 
 def test_non_finite_steps_are_skipped_within_the_allowance_then_stop():
-    from recipe.update import NonFiniteError, StepResult, check_finite
+    from grpo_recipe.algo.update import NonFiniteError, StepResult, check_finite
 
     ok = StepResult(0, 0, True, {"loss": 0.1, "grad_norm": 1.0}, 0, applied=True)
     skipped = StepResult(1, 0, True, {"loss": float("nan"), "grad_norm": float("inf")}, 0, applied=False)

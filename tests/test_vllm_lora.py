@@ -7,17 +7,18 @@ import signal
 
 import pytest
 import torch
-
 from conftest import torchrun
-from recipe.config import Config, ConfigError
-from recipe.config_load import load_config
-from recipe.metrics import read_jsonl
-from recipe.preflight import preflight
 from test_checkpoint import comparable, signal_tree, start, wait_for_step
 from test_generation_vllm import needs_vllm
 
+from grpo_recipe.config.load import load_config
+from grpo_recipe.config.schema import Config, ConfigError
+from grpo_recipe.model.load import load_model
+from grpo_recipe.run.metrics import read_jsonl
+from grpo_recipe.run.preflight import preflight
+
 MODES = ["merged", "adapter"]
-QUICKSTART_LORA_VLLM = ["-m", "recipe.train", "--config", "recipe/configs/quickstart_lora.yaml",
+QUICKSTART_LORA_VLLM = ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart_lora.yaml",
                         "--generation_backend", "vllm", "--vllm_tis_cap", "2.0", "--max_steps", "32",
                         "--save_total_limit", "0", "--disable_tqdm", "true"]
 
@@ -26,9 +27,9 @@ def expected_sync_bytes(mode: str, tiny_model_dir) -> int:
     """merged: every base weight (the tied matrix under both its names); adapter: A and B of every adapted
     linear, plus the merged output head (vLLM's Qwen2 has no LoRA for it)."""
     from dist_lora_vllm import TARGETS
-    from recipe import engine as eng
 
-    model = eng.load_model(str(tiny_model_dir), Config(use_peft=True, lora_target_modules=TARGETS))
+
+    model = load_model(str(tiny_model_dir), Config(use_peft=True, lora_target_modules=TARGETS))
     named = list(model.named_parameters(remove_duplicate=False))
     if mode == "merged":
         return 4 * sum(p.numel() for n, p in named if ".lora_" not in n)

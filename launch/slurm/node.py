@@ -1,4 +1,4 @@
-"""One node of a Slurm job: start this node's ranks of recipe.train through launch/node.py, exit with their code.
+"""One node of a Slurm job: start this node's ranks of grpo_recipe.train through launch/node.py, exit with their code.
 
 Run by grpo.sbatch as `srun --ntasks-per-node=1 python launch/slurm/node.py [recipe args]`, with MASTER_ADDR
 and MASTER_PORT exported. Ranks per node: NPROC_PER_NODE, else the GPUs Slurm gave this node, else 1 CPU rank.
@@ -59,7 +59,7 @@ def main() -> int:
     args = recipe_args(sys.argv[1:], int(os.environ.get("SLURM_RESTART_COUNT") or 0))
     log(f"node {node}/{nnodes}: ranks {node * nproc}..{node * nproc + nproc - 1} of {nnodes * nproc} "
         f"({f'{gpus} GPUs' if gpus else 'CPU'}), rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
-    from recipe.rendezvous import is_loopback, resolve
+    from grpo_recipe.dist.rendezvous import is_loopback, resolve
 
     if nnodes > 1 and node == 0 and is_loopback(resolve(env["MASTER_ADDR"])):
         # e.g. Debian's `127.0.1.1 hostname` line: the store would listen where other hosts cannot reach it

@@ -1,0 +1,89 @@
+"""What bench/scale.py, scale_worker.py and gpu_check.py share: the model shapes and their random-weight builds,
+a process's private memory sampled over phases, and one rollout's update as the recipe runs it."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+# Qwen2.5-0.5B's shape (config.json of the released model), random weights
+QWEN05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+               num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+               tie_word_embeddings=True)
+
+
+SMOKE = dict(QWEN05B, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def build_model(shape: dict, folder: Path) -> Path:
+    """A Qwen2 of `shape` with random weights (seed 0), saved in bf16 as the released checkpoints are."""
+    from grpo_recipe.dist.buildlock import exclusive
+    from grpo_recipe.model.tiny import missing_files, save_model
+
+    def complete() -> bool:
+        return not [m for m in missing_files(folder) if not m.startswith("tokenizer")]
+
+    if complete():
+        return folder
+    with exclusive(folder.with_name(folder.name + ".lock"), f"the build of {folder}"):
+        if not complete():
+            import torch
+            from transformers import AutoModelForCausalLM, Qwen2Config
+
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.bfloat16)
+            tmp = folder.with_name(folder.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_model(model, tmp)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.rename(tmp, folder)  # complete or absent
+    return folder
+
+
+def rss_anon() -> int:
+    """Private (anonymous) resident bytes of this process: pages of mapped files are not counted."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class PeakSampler:
+    """RssAnon sampled every millisecond from a thread (torch releases the GIL in its kernels), relative to
+    the process's own level at start. `mark(name)` closes a phase: its level at start, its peak and its level
+    at the end."""
+
+    def __init__(self):
+        self.base = rss_anon()
+        self.peak, self.start, self.phases, self._stop = self.base, self.base, {}, False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, rss_anon())
+            time.sleep(0.001)
+
+    def mark(self, name: str) -> None:
+        now = rss_anon()
+        self.peak = max(self.peak, now)
+        self.phases[name] = {"start_bytes": self.start - self.base, "peak_bytes": self.peak - self.base,
+                             "end_bytes": now - self.base}
+        self.start = self.peak = now
+
+    def stop(self) -> dict:
+        self._stop = True
+        self._thread.join()
+        return {"phases": self.phases, "peak_bytes": max(p["peak_bytes"] for p in self.phases.values())}
+
+
+def update(engine, buf, cfg) -> list[dict]:
+    """One rollout's update, as grpo_recipe.train runs it: each optimizer step's statistics."""
+    from grpo_recipe.algo.update import train_on_rollout
+
+    return [step.stats for step in train_on_rollout(engine, None, buf, cfg)]

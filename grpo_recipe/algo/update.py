@@ -1,0 +1,190 @@
+"""The rollout-update protocol, owned by `train_on_rollout`: old log-probs, loss normalizers, and mu passes x
+optimizer_steps_per_pass gradient-accumulated optimizer steps. The loop, the tests' workers and the benchmarks
+all train through it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from grpo_recipe.algo.buffer import RolloutBuffer
+from grpo_recipe.algo.clock import Timer
+from grpo_recipe.algo.loss import loss_normalizers, policy_loss, token_logps, truncated_is_weights
+from grpo_recipe.config.schema import Config
+from grpo_recipe.dist.group import all_reduce_named, device
+
+# per-rank sums of one optimizer step, all-reduced together (this order is the all-reduce's layout)
+STEP_SUMS = ("loss", "clip_low", "clip_high", "clip_region", "tokens", "kl", "ratio", "approx_kl", "is_ratio",
+             "entropy")
+
+
+@dataclass
+class StepResult:
+    """One optimizer step of a rollout's update."""
+    pass_index: int  # which pass over the rollout (0 .. cfg.max_passes - 1)
+    step_index: int  # which optimizer step of that pass (0 .. optimizer_steps_per_pass - 1)
+    last_in_pass: bool
+    stats: dict  # over all ranks: loss, clip ratios, ratio_mean, approx_kl, entropy, train_tokens, learning_rate,
+    # [kl, is_ratio_*, grad_norm]
+    old_logp_forwards: int  # no-grad micro-batch forwards spent on old log-probs just before this step
+    applied: bool = True  # whether DeepSpeed updated the weights (it skips a step whose gradient norm is not finite)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm stopped being finite; the message names the step."""
+
+
+def check_finite(done: StepResult, step: int, skipped: int, allowed: int) -> bool:
+    """Whether optimizer step `step` was non-finite and skipped (counted by the caller; `skipped` so far).
+    Raises NonFiniteError when the run must stop: more such steps than `allowed`, or one whose update DeepSpeed
+    applied anyway. The stats are all-reduced, so every rank decides the same."""
+    bad = [f"{k} = {done.stats[k]}" for k in ("loss", "grad_norm") if k in done.stats
+           and not math.isfinite(done.stats[k])]
+    if not bad:
+        return False
+    where = f"optimizer step {step} (rollout pass {done.pass_index}, step {done.step_index} of the pass)"
+    if done.applied:
+        raise NonFiniteError(f"{' and '.join(bad)} at {where}, and the update was applied: the weights may be "
+                             "broken; resume from the last checkpoint with a lower learning_rate")
+    if skipped >= allowed:
+        raise NonFiniteError(f"{' and '.join(bad)} at {where}: {skipped + 1} non-finite step(s), skip_nonfinite_steps "
+                             f"allows {allowed}; the update was not applied and nothing was saved after it")
+    return True
+
+
+def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                  temperature: float, with_entropy: bool = False):
+    """Per-token log-probs (fp32) of the completion part under the sampling temperature (and with `with_entropy`,
+    each position's entropy from the same logits: (logps, entropy)).
+
+    Position ids follow the attention mask, as in `generate`, so left padding does not shift them. The model
+    computes logits only where they predict a completion token (logits_to_keep: the prompt's positions would
+    cost a [B, P, V] slice for nothing), the last one included and ignored. Nothing else reads those logits,
+    so the backward writes their gradient over them.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False, logits_to_keep=completion_len + 1).logits
+    return token_logps(logits, input_ids[:, -completion_len:], temperature, own_logits=True,
+                       with_entropy=with_entropy)
+
+
+def _to_device(mb: dict) -> dict:
+    dev = device()
+    return {k: v.to(dev) for k, v in mb.items()}
+
+
+def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[int, int] | None = None,
+                     timer: Timer | None = None) -> Iterator[StepResult]:
+    """Every optimizer step this rollout feeds: mu passes, each split into optimizer_steps_per_pass steps.
+
+    A fresh rollout (`after` None) first gets the old log-probs that its first pass cannot capture for itself
+    (see buffer.py); `after` = (pass, step) of the last step done resumes a rollout mid-cycle, whose buffer
+    already holds them. A caller that stops iterating (adaptive reuse) skips the remaining steps. Timer names:
+    old_logp, train, and inside train: forward, backward, optimizer.
+    """
+    timer = timer or Timer()
+    plan = buf.plan(cfg.max_passes, cfg.optimizer_steps_per_pass, cfg.per_device_train_batch_size)
+    forwards = 0
+    if after is None:
+        with timer("old_logp"):
+            forwards = compute_old_logps(engine, buf, [idx for step in plan[0][1:] for idx in step], cfg.temperature)
+    norms = normalizers(buf, plan, cfg)
+    for p, steps in enumerate(plan):
+        for s, micro_batches in enumerate(steps):
+            if after is not None and (p, s) <= tuple(after):
+                continue
+            with timer("train"):
+                # Samples of the first step of the first pass see the policy that sampled them: their old
+                # log-probs are that step's own forward, captured for the later passes.
+                stats = optimizer_step(engine, ref, buf, micro_batches, norms[p, s].item(), cfg,
+                                       capture_old_logps=cfg.needs_old_logps and (p, s) == (0, 0), timer=timer)
+            yield StepResult(p, s, s == len(steps) - 1, stats, forwards, applied=engine.was_step_applied())
+            forwards = 0
+
+
+@torch.no_grad()
+def compute_old_logps(engine, buf: RolloutBuffer, micro_batches: list[torch.Tensor], temperature: float) -> int:
+    """No-grad forwards for samples whose old log-probs cannot be captured for free: those of the first pass's
+    later optimizer steps (optimizer_steps_per_pass > 1), by which time the policy has moved. Returns the forwards."""
+    for idx in micro_batches:
+        mb = _to_device(buf.micro_batch(idx))
+        logp = forward_logps(engine, mb["input_ids"], mb["attention_mask"], mb["completion_mask"].shape[1], temperature)
+        buf.store_old_logps(idx, logp)
+    return len(micro_batches)
+
+
+def normalizers(buf: RolloutBuffer, plan: list, cfg: Config) -> torch.Tensor:
+    """Per [pass, step]: the loss normalizer. The global token and sequence counts are known at rollout time: one
+    all-reduce."""
+    counts = all_reduce_named({"tokens": buf.token_counts(plan).to(device()),
+                               "sequences": buf.sequence_counts(plan).to(device())})
+    return loss_normalizers(cfg.loss_type, counts["tokens"].cpu(), counts["sequences"].cpu(), dist.get_world_size())
+
+
+def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizer: float,
+                   cfg: Config, capture_old_logps: bool, timer: Timer) -> dict:
+    """Backward over each micro-batch, then one optimizer step. Returns step statistics over all ranks."""
+    sums = {name: torch.zeros((), device=device()) for name in STEP_SUMS}
+    is_max = torch.zeros(1, device=device())
+    cap = cfg.vllm_tis_cap
+    lr = engine.get_lr()[0]  # what this step's update uses (the scheduler steps at its accumulation boundary)
+    for idx in micro_batches:
+        mb = _to_device(buf.micro_batch(idx))
+        mask, c_len = mb["completion_mask"], mb["completion_mask"].shape[1]
+        with timer("forward"):
+            logp, entropy = forward_logps(engine, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature,
+                                          with_entropy=True)
+        sums["entropy"] += (entropy * mask).sum()
+        # Samples the policy has not been updated on yet: their old log-probs are this very forward.
+        fresh = ~mb["has_old_logps"]
+        old = torch.where(fresh.unsqueeze(-1), logp.detach(), mb["old_logps"])
+        if capture_old_logps and bool(fresh.any()):
+            buf.store_old_logps(idx[fresh.cpu()], logp[fresh])
+        ref_logp = None
+        if cfg.beta > 0.0:
+            with torch.no_grad():
+                ref_logp = forward_logps(ref, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature)
+        is_weights = None
+        if cap is not None:  # the sampler's drift from the old policy, corrected per token
+            is_weights, is_ratio = truncated_is_weights(old, mb["sampling_logps"], mask, cap)
+            sums["is_ratio"] += (is_ratio * mask).sum()
+            is_max = torch.maximum(is_max, (is_ratio * mask).max().reshape(1))
+        loss, stats = policy_loss(logp, old, mb["advantages"], mask, loss_type=cfg.loss_type,
+                                  eps_low=cfg.epsilon, eps_high=cfg.eps_high, normalizer=normalizer,
+                                  max_completion_length=cfg.max_completion_length, beta=cfg.beta,
+                                  ref_logp=ref_logp, is_weights=is_weights)
+        with timer("backward"):
+            engine.backward(loss, scale_wrt_gas=False)  # the normalizer already accounts for accumulation
+        with timer("optimizer"):
+            engine.step()  # DeepSpeed steps at the accumulation boundary only
+        sums["loss"] += loss.detach()
+        for name, count in zip(("clip_low", "clip_high", "clip_region", "tokens"), stats["clip_counts"]):
+            sums[name] += count
+        if "kl_sum" in stats:
+            sums["kl"] += stats["kl_sum"]
+        sums["ratio"] += stats["ratio_sum"]
+        sums["approx_kl"] += stats["approx_kl_sum"]
+    sums = all_reduce_named(sums)
+    if cap is not None and dist.get_world_size() > 1:
+        dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
+    world = dist.get_world_size()
+    tokens = sums["tokens"].clamp(min=1.0)
+    out = {"loss": (sums["loss"] / world).item(), "clip_ratio_low": (sums["clip_low"] / tokens).item(),
+           "clip_ratio_high": (sums["clip_high"] / tokens).item(),
+           "clip_ratio_region": (sums["clip_region"] / tokens).item(),
+           "ratio_mean": (sums["ratio"] / tokens).item(), "approx_kl": (sums["approx_kl"] / tokens).item(),
+           "entropy": (sums["entropy"] / tokens).item(), "train_tokens": int(sums["tokens"].item()),
+           "learning_rate": lr}
+    if cfg.beta > 0.0:
+        out["kl"] = (sums["kl"] / tokens).item()
+    if cap is not None:  # before the cap: how far the sampler drifted from the trainer
+        out["is_ratio_mean"], out["is_ratio_max"] = (sums["is_ratio"] / tokens).item(), is_max.item()
+    grad_norm = engine.get_global_grad_norm()
+    if grad_norm is not None:
+        out["grad_norm"] = float(grad_norm)
+    return out

@@ -1,0 +1,91 @@
+"""The process group: joining the launcher's (or a world of one), named all-reduces, the first error of any rank,
+the device. Knows nothing of models."""
+from __future__ import annotations
+
+import atexit
+import os
+
+import torch
+
+from grpo_recipe.dist.env import free_port
+
+
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the launcher's process group (local.sh, the Slurm script, torchrun, deepspeed) or make a 1-rank one.
+
+    Collectives give up after `timeout_s` (a stopped rank then ends the run, grpo_recipe/dist/liveness.py); the store and
+    the backend listen on the launcher's address only (dist/rendezvous.py).
+    """
+    import datetime
+    import warnings
+
+    import deepspeed
+
+    from grpo_recipe.dist import liveness, rendezvous
+
+    # torch deprecates the collective names DeepSpeed calls on every step; one warning per call floods logs.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
+    if "RANK" not in os.environ:  # plain `python -m grpo_recipe.train`: a world of one, with an in-memory store
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(rendezvous.backend_env(os.environ.get("MASTER_ADDR", "127.0.0.1")))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from grpo_recipe.dist.buildlock import load_comm_op
+
+        load_comm_op()  # built once per environment under a lock that cannot go stale
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    store = rendezvous.store_for_rank(rank, world, timeout_s)
+    if store is None:
+        torch.distributed.init_process_group(backend, timeout=timeout)
+    else:
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)  # wraps the group
+    # a group left to interpreter teardown can abort the process ("terminate called without an active
+    # exception") after its work is done; atexit runs this after liveness stops its heartbeat (registered later)
+    atexit.register(_destroy_process_group)
+    liveness.start(rank, world, timeout_s)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def all_reduce_named(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Named per-rank tensors (one dtype and device) summed over all ranks in ONE all-reduce: stacked in the
+    dict's order, split back by name. A world of one (or no process group at all) skips the collective."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return values
+    flat = torch.cat([v.reshape(-1) for v in values.values()])
+    torch.distributed.all_reduce(flat)
+    out, start = {}, 0
+    for name, v in values.items():
+        out[name] = flat[start:start + v.numel()].reshape(v.shape)
+        start += v.numel()
+    return out
+
+
+def first_error(error: str | None) -> tuple[int, str] | None:
+    """(rank, message) of the lowest rank that reports an error, the same on every rank; None when none does.
+    Every rank must call it: a rank that failed must not just leave (the others would hang in their next
+    collective, or lose the reason). One tiny all-reduce; the messages are gathered only after a failure."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world == 1:
+        return None if error is None else (0, error)
+    flag = torch.tensor([float(error is not None)])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if not flag.item():
+        return None
+    errors = [None] * world
+    torch.distributed.all_gather_object(errors, error)
+    return next((r, e) for r, e in enumerate(errors) if e is not None)
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

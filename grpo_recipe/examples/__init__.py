@@ -1,0 +1,1 @@
+"""Reward functions for the shipped configs: user code, written as a user would write theirs."""

@@ -1,0 +1,55 @@
+"""The DeepSpeed JSON config of a run: the deepspeed_config file with every batch, precision and optimizer field
+filled from the recipe's config (one source of truth for each)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from grpo_recipe.config.schema import Config, resolve_path
+
+
+def use_bf16(cfg: Config) -> bool:
+    mode = str(cfg.bf16).lower()
+    return torch.cuda.is_available() if mode == "auto" else mode == "true"
+
+
+def ds_config(cfg: Config, world_size: int, hidden_size: int, train: bool = True) -> dict:
+    """The JSON config with every batch, precision and optimizer field filled from the recipe's config."""
+    conf = json.loads(resolve_path(cfg.deepspeed_config).read_text())
+    conf["train_micro_batch_size_per_gpu"] = cfg.per_device_train_batch_size
+    conf["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
+    conf["train_batch_size"] = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
+    conf["gradient_clipping"] = cfg.max_grad_norm
+    bf16 = use_bf16(cfg)
+    conf["bf16"] = {**conf.get("bf16", {}), "enabled": bf16}
+    conf["fp16"] = {**conf.get("fp16", {}), "enabled": False}
+    zero = conf.setdefault("zero_optimization", {})
+    auto = {"stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "reduce_bucket_size": hidden_size * hidden_size,
+            "allgather_bucket_size": hidden_size * hidden_size}  # ZeRO-2
+    for key, value in auto.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    opt = conf.get("optimizer")
+    if opt is not None:
+        fill = {"lr": cfg.learning_rate, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": cfg.adam_epsilon,
+                "weight_decay": cfg.weight_decay}
+        opt["params"] = {k: fill.get(k, v) if v == "auto" else v for k, v in opt.get("params", {}).items()}
+        for k, v in fill.items():
+            opt["params"].setdefault(k, v)
+        # Fused and CPU Adam kernels compile for about a minute on CPU; torch's AdamW is as exact.
+        if not torch.cuda.is_available() and opt.get("type", "").lower() in ("adam", "adamw"):
+            opt["params"]["torch_adam"] = True
+    if not train:
+        for key in ("optimizer", "scheduler"):
+            conf.pop(key, None)
+        zero.pop("offload_optimizer", None)
+        # ZeRO-1/2 shard optimizer state only and refuse a model without an optimizer: a frozen
+        # reference model is then simply replicated (stage 0), as the policy's weights are.
+        if zero.get("stage", 0) < 3:
+            zero["stage"] = 0
+    conf.setdefault("steps_per_print", 10**9)
+    conf.setdefault("wall_clock_breakdown", False)
+    return conf

@@ -1,0 +1,81 @@
+"""The DeepSpeed engines: the policy's, the reference policy, and the gathered weights that generation runs on."""
+from __future__ import annotations
+
+import contextlib
+
+from grpo_recipe.config.schema import Config
+from grpo_recipe.model.ds_config import ds_config
+from grpo_recipe.model.load import load_model
+
+
+def init_engine(model, cfg: Config, world_size: int):
+    """The policy's engine; it owns the learning-rate schedule (stepped per optimizer step, checkpointed)."""
+    import deepspeed
+
+    from grpo_recipe.algo.schedule import lr_scheduler
+
+    conf = ds_config(cfg, world_size, model.config.hidden_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=conf, lr_scheduler=lr_scheduler(cfg))
+    return engine
+
+
+def init_reference(path: str, cfg: Config, world_size: int, policy=None):
+    """The starting policy for the KL term, called like a model.
+
+    With LoRA: the policy engine itself with its adapter disabled (no second model). Otherwise a frozen copy,
+    ZeRO-3 sharded like the policy, never given gradients.
+    """
+    import deepspeed
+
+    if cfg.use_peft:
+        from grpo_recipe.model.lora import ReferencePolicy
+
+        if policy is None:
+            raise ValueError("init_reference: with use_peft the reference is the policy engine itself; pass it")
+        return ReferencePolicy(policy)
+    ref = load_model(path, cfg, world_size)
+    ref.requires_grad_(False)
+    conf = ds_config(cfg, world_size, ref.config.hidden_size, train=False)
+    engine, *_ = deepspeed.initialize(model=ref, config=conf)
+    engine.eval()
+    return engine
+
+
+def is_zero3(engine) -> bool:
+    return engine.zero_optimization_partition_weights()
+
+
+@contextlib.contextmanager
+def gathered_for_generation(engine, per_layer: bool = False):
+    """The model to generate with.
+
+    Default: all ZeRO-3 parameters gathered once, with ZeRO's per-module hooks removed meanwhile, and a LoRA
+    adapter merged into the gathered weights; with the hooks in place every layer would be re-fetched and
+    released at each decoding step (and a merge into weights that the hooks release is lost mid-forward).
+    That needs the whole model on one device.
+
+    `per_layer` (ZeRO-3, `hf_generation_gather: per_layer`): the hooks stay and gather each layer while it
+    runs, at every decoding step: memory bounded by a few layers, for models that do not fit on one device.
+    A LoRA adapter then runs unmerged (same function, a little slower). Every rank must run the same number
+    of forwards (each one gathers): generate with synced_gpus.
+    """
+    import deepspeed
+
+    from grpo_recipe.model.lora import merged_adapter  # a no-op without LoRA layers
+
+    if per_layer and is_zero3(engine):
+        yield engine.module
+        return
+    if not is_zero3(engine):
+        with merged_adapter(engine.module) as model:
+            yield model
+        return
+    offload = engine.optimizer.parameter_offload
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        offload._remove_module_hooks()
+        try:
+            with merged_adapter(engine.module, restore=False) as model:
+                yield model
+        finally:
+            offload.setup_zero_stage3_hooks()

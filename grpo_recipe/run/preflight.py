@@ -1,0 +1,155 @@
+"""Preflight: the config checks that ask the environment, run once by `grpo_recipe.train.main` before any process
+group starts, so that a missing file or an unusable backend costs a one-line ConfigError (exit code 2).
+
+`config.py` checks the fields on their own; this step asks the rest of the machine: do the files exist (the
+DeepSpeed config parses, a resume folder is there), is the model there (a built-in one is built here, once,
+before any rank needs it; a local folder holds a model; a hub name must be cached or on the reachable hub), can
+the output folder be written and hold a checkpoint, can vLLM serve the model here, do the reward functions import,
+does the DeepSpeed config shard what per-layer generation gathers, can the GPU do bf16.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from grpo_recipe.config.schema import Config, ConfigError, looks_like_file, need, resolve_path
+from grpo_recipe.generation.vllm import VLLMUnavailable, check_adapter_mode, check_available
+from grpo_recipe.model.source import model_folder, weight_count
+from grpo_recipe.rewards.funcs import RewardError, load_reward_funcs
+from grpo_recipe.run.checkpoint import free_space, mib, min_checkpoint_bytes, space_note
+
+
+def preflight(cfg: Config) -> None:
+    """Raise a ConfigError naming the field whose file, model, backend or reward function is unusable here."""
+    ds = deepspeed_json(cfg.deepspeed_config)
+    if cfg.hf_generation_gather == "per_layer":
+        stage = ds.get("zero_optimization", {}).get("stage", 0)
+        need(stage == 3, f"hf_generation_gather: per_layer needs a ZeRO-3 deepspeed_config; {cfg.deepspeed_config} "
+                         f"is stage {stage}, where every rank holds all weights (use full)")
+    if str(cfg.bf16).lower() == "true":
+        cuda = torch.cuda.is_available()
+        check_bf16(cuda, cuda and torch.cuda.is_bf16_supported(), torch.cuda.get_device_name() if cuda else "")
+    if looks_like_file(cfg.dataset_name):
+        need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
+    check_output_dir(cfg.output_dir)
+    resume = cfg.resume_from_checkpoint  # a path's files are checked against its manifest when the run starts
+    need(resume in (None, "auto") or Path(resume).is_dir(),
+         f"resume_from_checkpoint: no such folder: {resume} (auto takes the newest complete one in output_dir)")
+    if cfg.eval_dataset_name and looks_like_file(cfg.eval_dataset_name):
+        need(resolve_path(cfg.eval_dataset_name).is_file(),
+             f"eval_dataset_name: file not found: {cfg.eval_dataset_name}")
+    need("wandb" not in cfg.report_to or importlib.util.find_spec("wandb") is not None,
+         "report_to: wandb needs the wandb package (pip install -e '.[wandb]')")
+    folder = model_folder(cfg.model_name_or_path)
+    check_disk_space(cfg, folder, ds)
+    if cfg.generation_backend == "vllm":
+        check_vllm(cfg, folder)
+    try:
+        load_reward_funcs(cfg.reward_funcs)  # imports only: nothing runs, so a typo fails before launch
+    except RewardError as e:
+        raise ConfigError(str(e)) from None
+
+
+def deepspeed_json(name: str) -> dict:
+    """The deepspeed_config file's JSON object (it is read after the process group starts)."""
+    path = resolve_path(name)
+    need(path.is_file(), f"deepspeed_config: file not found: {name}")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed_config: {name} is not valid JSON: line {e.lineno}, column {e.colno}: "
+                          f"{e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"deepspeed_config: cannot read {name}: {e}") from None
+    need(isinstance(ds, dict), f"deepspeed_config: {name} must hold a JSON object")
+    for key in ("optimizer", "zero_optimization"):
+        need(isinstance(ds.get(key, {}), dict), f"deepspeed_config: {key} in {name} must be an object")
+    # One schedule, the recipe's: DeepSpeed would otherwise run its own beside it (or instead of it).
+    need("scheduler" not in ds, f"deepspeed_config: {name} has a \"scheduler\"; remove it: lr_scheduler_type, "
+                                "warmup_steps and min_lr_ratio set the schedule")
+    return ds
+
+
+def check_output_dir(output_dir: str) -> None:
+    """The output folder (or, before it exists, its nearest existing parent) takes new files. Nothing is left
+    behind: the probe is an unnamed temporary file."""
+    path = Path(output_dir).expanduser()
+    need(not path.exists() or path.is_dir(), f"output_dir: {output_dir} is a file, not a folder")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    need(probe.is_dir(), f"output_dir: cannot create {output_dir}: {probe} is a file")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(f"output_dir: cannot write in {probe}: {e.strerror}") from None
+
+
+def check_disk_space(cfg: Config, folder: Path | None, ds: dict) -> None:
+    """A disk that cannot hold one checkpoint would fail at the first save, hours in: refuse it now, and warn
+    when it cannot hold the save_total_limit + 1 that a save needs. Sizes from the weights' headers; a model
+    still to be downloaded is checked at its first save."""
+    params = weight_count(folder) if folder is not None and cfg.save_steps > 0 else 0
+    if not params:
+        return
+    adam = "adam" in str(ds.get("optimizer", {}).get("type", "")).lower()
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    partitioned = isinstance(stage, int) and stage >= 2
+    # with LoRA the adapter is small, the frozen base (fp32) is what ZeRO-2/3 checkpoints hold
+    needed = min_checkpoint_bytes(0 if cfg.use_peft else params, 4 * params if cfg.use_peft else 0, adam, partitioned)
+    free, _ = free_space(Path(cfg.output_dir).expanduser())
+    limit = cfg.save_total_limit
+    need(free >= needed, f"output_dir: {cfg.output_dir} has {mib(free)} free, too little for one checkpoint "
+                         f"({space_note(limit, needed)}): free space or choose another output_dir")
+    if limit and free < (limit + 1) * needed and os.environ.get("RANK", "0") == "0":
+        print(f"warning: output_dir {cfg.output_dir} has {mib(free)} free, less than the save_total_limit + 1 = "
+              f"{limit + 1} checkpoints a save may need ({space_note(limit, needed)})", file=sys.stderr)
+
+
+
+
+def check_bf16(cuda: bool, supported: bool, device_name: str) -> None:
+    """bf16: true needs bf16 arithmetic: every CPU has it (emulated where not native), GPUs from Ampere on."""
+    need(not cuda or supported, f"bf16: true, but {device_name} has no bf16 support (compute capability < 8.0); "
+                                f"use bf16: false (fp32)")
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+def check_vllm(cfg: Config, folder: Path | None) -> None:
+    """Whether vLLM can serve this model here: installed, a head size its CPU kernels support, and with
+    `vllm_lora_sync: adapter` its LoRA support on this platform."""
+    cuda = torch.cuda.is_available()
+    need(not cfg.vllm_enable_sleep_mode or cuda, "vllm_enable_sleep_mode: needs a GPU (vLLM has no sleep mode on CPU)")
+    config_json = folder / "config.json" if folder is not None and (folder / "config.json").is_file() else None
+    try:
+        check_available(config_json, cuda)  # a hub model's head size is checked when vLLM loads it
+        if cfg.use_peft and cfg.vllm_lora_sync == "adapter":
+            check_adapter_mode(cfg)
+    except VLLMUnavailable as e:
+        raise ConfigError(str(e)) from None

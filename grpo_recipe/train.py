@@ -1,0 +1,358 @@
+"""GRPO with multi-step rollout reuse on a DeepSpeed ZeRO-3 engine.
+
+    python -m grpo_recipe.train --config grpo_recipe/configs/quickstart.yaml [--key value ...]
+
+Works as a plain process (a world of one), under torchrun, and under the deepspeed launcher.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from grpo_recipe.algo.buffer import RolloutBuffer
+from grpo_recipe.algo.clock import Timer
+from grpo_recipe.algo.loss import group_advantages, zero_std_groups
+from grpo_recipe.algo.reuse import ReuseController
+from grpo_recipe.algo.update import NonFiniteError, StepResult, check_finite, train_on_rollout
+from grpo_recipe.config.help import help_text
+from grpo_recipe.config.load import HelpRequested, load_config
+from grpo_recipe.config.schema import Config, ConfigError
+from grpo_recipe.data.prompts import DataError, PromptStream, check_prompts, load_datasets, uses_chat_template
+from grpo_recipe.dist import liveness
+from grpo_recipe.dist.env import PREEMPTED_EXIT_CODE
+from grpo_recipe.dist.group import all_reduce_named, first_error, init_distributed
+from grpo_recipe.generation import GenerationError, Generator, build_generator, generate_on_every_rank, rollout_seed
+from grpo_recipe.generation.vllm import VLLMUnavailable
+from grpo_recipe.model import engine as eng
+from grpo_recipe.model.load import load_model, load_tokenizer
+from grpo_recipe.model.save import save_hf_model
+from grpo_recipe.model.source import model_path
+from grpo_recipe.rewards.funcs import RewardError, RewardFunc, check_answer_columns, load_reward_funcs, score
+from grpo_recipe.run import outdir
+from grpo_recipe.run.checkpoint import Checkpointer, CheckpointError
+from grpo_recipe.run.evaluation import Evaluator
+from grpo_recipe.run.metrics import MetricsLogger, read_jsonl, reward_quarters, sample_rows
+from grpo_recipe.run.preflight import preflight
+from grpo_recipe.run.trackers import build_trackers
+
+# the Timer's phases, logged as time_<phase>_s (forward, backward, optimizer: parts of train)
+TIMED = ("sync", "generate", "score", "old_logp", "train", "forward", "backward", "optimizer")
+
+
+@dataclass
+class Run:
+    """The run's components, built once from the config by `setup`."""
+    cfg: Config
+    rank: int
+    world: int
+    tokenizer: Any
+    stream: PromptStream
+    engine: Any  # the policy's DeepSpeed engine
+    ref: Any  # the KL term's reference policy, called like a model (None when beta = 0)
+    rewards: list[RewardFunc]
+    generator: Generator
+    checkpointer: Checkpointer
+    evaluator: Evaluator | None  # None: no evaluation during training
+    lock: Any = None  # rank 0's hold on the output folder (grpo_recipe/run/outdir.py), kept for the run's lifetime
+
+
+@dataclass
+class LoopState:
+    """Where the loop is. A checkpoint saves exactly this per rank (with the RNG states); a resume continues it."""
+    step: int = 0  # optimizer steps done
+    rollout: int = 0  # the rollout being trained on
+    position: tuple[int, int] | None = None  # its last (pass, step) done; None: none yet
+    buffer: RolloutBuffer | None = None  # that rollout with its old log-probs; None: not generated yet
+    stats: dict | None = None  # its reward and completion statistics (part of each of its steps' records)
+    samples: list | None = None  # rank 0, log_completions_steps: a few of its completions with rewards, advantages
+    reuse: dict | None = None  # the adaptive-reuse controller's state
+    old_logp_forwards: int = 0  # cumulative, logged with every step
+    prompts_truncated: int = 0  # cumulative, logged with every step
+    nonfinite_steps: int = 0  # steps skipped for a non-finite loss or gradient norm, logged with every step
+
+    def next_rollout(self) -> None:
+        self.rollout, self.position, self.buffer, self.stats, self.samples = self.rollout + 1, None, None, None, None
+
+    def state_dict(self) -> dict:
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        return state | {"buffer": None if self.buffer is None else self.buffer.state_dict()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "LoopState":
+        buffer = None if state["buffer"] is None else RolloutBuffer.from_state_dict(state["buffer"])
+        # a field added after the checkpoint was written keeps its default
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state} | {"buffer": buffer})
+
+
+def setup(cfg: Config) -> tuple[Run, LoopState]:
+    """Build every component from the config, cheapest and most likely to fail first; the loop's starting state."""
+    # the data first, every prompt checked: bad data costs one line before any process group or model
+    path = model_path(cfg)
+    try:
+        tokenizer = load_tokenizer(path)
+    except (OSError, ValueError) as e:  # e.g. no EOS token, or files transformers cannot read
+        raise ConfigError(f"model_name_or_path: no usable tokenizer in {path}: {' '.join(str(e).split())[:300]}") \
+            from None
+    train_prompts, eval_prompts = load_datasets(cfg)  # a held-out eval slice leaves the train set either way
+    rewards = load_reward_funcs(cfg.reward_funcs)
+    checked = [(train_prompts, cfg.dataset_name)]
+    if eval_prompts is not None:  # held out of the train set or its own: checked the same way
+        checked.append((eval_prompts, cfg.eval_dataset_name or cfg.dataset_name))
+    for prompts, name in checked:
+        check_prompts(prompts, cfg, uses_chat_template(tokenizer, cfg), name)
+        check_answer_columns(rewards, prompts.column_names)
+    rank, world = init_distributed(cfg.collective_timeout_s)
+    random.seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)
+    checkpointer = Checkpointer(cfg, rank, world)
+    # the folder is this run's for its lifetime: refuse another run's outputs, lock out concurrent runs
+    claim, lock = outdir.claim(cfg, rank, world, checkpointer.find, checkpointer.run_id_of)
+    checkpointer.run_id, checkpointer.lineage, resume_from = claim.run_id, claim.lineage, claim.resume_from
+    if resume_from is not None:
+        checkpointer.check_config(resume_from)  # before any model is loaded
+    stream = PromptStream(train_prompts, tokenizer, cfg, rank, world)
+    model = load_model(path, cfg, world)
+    engine = eng.init_engine(model, cfg, world)
+    ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0.0 else None
+    generator = build_generator(cfg, engine, tokenizer)
+    state = LoopState()
+    if resume_from is not None:
+        state = LoopState.from_state_dict(checkpointer.load(resume_from, engine))
+        generator.sync(engine)
+        if rank == 0:
+            print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
+    checkpointer.install_signal_handlers()
+    evaluator = None
+    if eval_prompts is not None and (cfg.eval_steps or cfg.eval_on_start):
+        evaluator = Evaluator(cfg, PromptStream(eval_prompts, tokenizer, cfg, rank, world), generator, rewards,
+                              rank, world)
+    run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator, checkpointer, evaluator, lock)
+    return run, state
+
+
+def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_prompts: int, prompt_tokens: int,
+                  error: bool, zero_std: torch.Tensor) -> dict:
+    """Reward and completion statistics over all ranks, in one all-reduce (which also shares errors)."""
+    r64 = rewards.double()  # the batch std divides advantages: sums in float64, so 1 or N ranks agree
+    lengths = comp.mask.sum(-1)
+    sums = {"samples": rewards.numel(), "length": lengths.sum(), "truncated": comp.truncated.float().sum(),
+            "prompts_truncated": num_truncated_prompts, "failed_ranks": float(error),
+            "zero_std_groups": zero_std.sum(), "groups": zero_std.numel(),
+            "reward": r64.sum(), "reward^2": (r64 ** 2).sum(),
+            "ranks": 1.0, "decode_steps": lengths.max() if len(lengths) else 0, "tokens": prompt_tokens + lengths.sum()}
+    for k, v in per_func.items():  # each function over the samples it applies to (NaN: it returned None there)
+        applies = ~v.isnan()
+        sums |= {f"reward/{k}": v.double().nansum(), f"reward/{k}^2": (v.double()[applies] ** 2).sum(),
+                 f"applies/{k}": applies.sum()}
+    sums = all_reduce_named({k: torch.as_tensor(v, dtype=torch.float64) for k, v in sums.items()})
+    return summarize_rollout({k: v.item() for k, v in sums.items()}, list(per_func))
+
+
+def summarize_rollout(sums: dict[str, float], names: list[str]) -> dict:
+    """The logged statistics from the all-ranks sums; stds are sample stds: sqrt((sum x^2 - n mean^2) / (n - 1))."""
+    def mean_std(key: str, n: float) -> tuple[float, float]:
+        mean = sums[key] / max(n, 1.0)
+        return mean, max(sums[f"{key}^2"] / max(n, 1.0) - mean ** 2, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5
+
+    n = sums["samples"]
+    per_func = {k: mean_std(f"reward/{k}", sums[f"applies/{k}"]) for k in names}
+    mean, std = mean_std("reward", n)
+    return {"reward_mean": mean, "reward_std": std, "frac_reward_zero_std": sums["zero_std_groups"] / sums["groups"],
+            "completion_length_mean": sums["length"] / n, "truncated_fraction": sums["truncated"] / n,
+            # what the rollout cost: its decoding steps (longest completion, mean over ranks) and the tokens a
+            # pass trains on (prompts and completions, all ranks); reuse.py prices replays with them
+            "decode_steps": sums["decode_steps"] / sums["ranks"], "rollout_tokens": int(sums["tokens"]),
+            "prompts_truncated": int(sums["prompts_truncated"]), "failed_ranks": int(sums["failed_ranks"]),
+            **{f"reward/{k}": m for k, (m, _) in per_func.items()},
+            **{f"reward/{k}_std": s for k, (_, s) in per_func.items()}}
+
+
+def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
+    """This rank's completions (a failure on any rank stops every rank); sampling from NaN probabilities means
+    the last update broke the weights."""
+    seed = rollout_seed(run.cfg.seed, rollout, run.rank, run.world)
+    try:
+        return generate_on_every_rank(run.generator, prompt_ids, f"generation of rollout {rollout}", seed=seed)
+    except GenerationError as e:
+        if re.search(r"\b(nan|inf)\b", str(e), re.IGNORECASE):
+            raise NonFiniteError(f"{e}: the policy is no longer finite after the last update; resume from an "
+                                 "earlier checkpoint with a lower learning_rate") from None
+        raise
+
+
+def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer, dict, list | None]:
+    """Generate this rank's groups, score them, and fill the rank-local buffer with their advantages. Also returns
+    rank 0's completion samples when log_completions_steps asks for them."""
+    cfg, G = run.cfg, run.cfg.num_generations
+    batch = run.stream.batch(rollout)
+    with timer("generate"):
+        comp = generate(run, batch.prompt_ids, rollout)
+    # a bad reward on any rank stops every rank with that rank's message
+    rows, error = batch.repeat(G), None
+    with timer("score"):
+        try:
+            rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids)
+        except RewardError as e:
+            error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in run.rewards}
+    zero_std = zero_std_groups(rewards, G)
+    stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, sum(map(len, rows.prompt_ids)),
+                          error is not None, zero_std)
+    if stats.pop("failed_ranks"):  # every rank names the function that failed, wherever it ran
+        failed_rank, message = first_error(None if error is None else str(error))
+        raise RewardError(message if failed_rank == run.rank else f"{message} (on rank {failed_rank})")
+    # every group lives on this rank; scale_rewards: batch divides by the std over all ranks (as TRL does)
+    advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std=stats["reward_std"])
+    mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
+    active = ~zero_std.repeat_interleave(G) if cfg.zero_std_filter else None  # all-equal groups teach nothing
+    buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, run.tokenizer.pad_token_id,
+                              order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps, active=active)
+    samples = None
+    if run.rank == 0 and cfg.log_completions_steps:  # this rank's first groups: nothing is gathered
+        samples = sample_rows(rollout, rows.prompts, comp.texts, rewards, per_func, advantages,
+                              cfg.num_prompts_to_log * G)
+    return buf, stats, samples
+
+
+def step_record(run: Run, state: LoopState, done: StepResult, timer: Timer, step_time_s: float,
+                step_cpu_s: float) -> dict:
+    """One line of metrics.jsonl: the step's statistics, its rollout's, the counters and where the time went."""
+    return {"step": state.step, "generation": state.rollout, "iteration": done.pass_index,
+            "passes_used": done.pass_index + 1, **done.stats, **state.stats,
+            "prompts_truncated": state.prompts_truncated, "old_logp_forwards": state.old_logp_forwards,
+            "nonfinite_steps": state.nonfinite_steps, "weight_syncs": run.generator.syncs, **timer.pop(*TIMED),
+            "step_time_s": step_time_s, "step_cpu_s": step_cpu_s,
+            "tokens_per_s": done.stats["train_tokens"] / step_time_s}
+
+
+def report(run: Run, state: LoopState, logger: MetricsLogger, record: dict) -> None:
+    """After each optimizer step: the evaluation at eval steps (its eval/ metrics join the step's record), the
+    metrics line at logging and eval steps and the last, completion samples, and the progress bar."""
+    cfg, step = run.cfg, state.step
+    evaluated = run.evaluator is not None and run.evaluator.due(step)
+    if evaluated:
+        record.update(run.evaluator.run(step))
+    if step % cfg.logging_steps == 0 or step == cfg.max_steps or evaluated:
+        logger.log(record)
+    if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
+        logger.log_completions(step, state.samples)
+    logger.advance(record)
+
+
+def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
+    """The loop, from `state` on (updated in place). Returns the step records and whether it stopped early for
+    a signal (after a checkpoint)."""
+    cfg, ckpt, timer, out = run.cfg, run.checkpointer, Timer(), Path(run.cfg.output_dir)
+    logger = MetricsLogger(out, run.rank, cfg.max_steps, initial_step=state.step, disable_tqdm=cfg.disable_tqdm,
+                           trackers=lambda: build_trackers(cfg.report_to, out, cfg))
+    reuse = ReuseController(cfg)
+    if state.reuse is not None:
+        reuse.load_state_dict(state.reuse)
+    if state.step == 0 and cfg.eval_on_start and run.evaluator is not None:
+        logger.log({"step": 0, **run.evaluator.run(0)})
+    records, last, last_cpu = [], time.perf_counter(), time.process_time()
+    while state.step < cfg.max_steps:
+        if state.buffer is None:  # generate, score, advantages
+            state.buffer, state.stats, state.samples = collect_rollout(run, state.rollout, timer)
+            state.prompts_truncated += state.stats.pop("prompts_truncated")
+        for done in train_on_rollout(run.engine, run.ref, state.buffer, cfg, after=state.position, timer=timer):
+            state.step += 1
+            # a non-finite loss or gradient norm: stop, or (skip_nonfinite_steps) count a step DeepSpeed skipped
+            state.nonfinite_steps += check_finite(done, state.step, state.nonfinite_steps, cfg.skip_nonfinite_steps)
+            state.old_logp_forwards += done.old_logp_forwards
+            now, cpu = time.perf_counter(), time.process_time()
+            record = step_record(run, state, done, timer, now - last, cpu - last_cpu)
+            # reuse (grpo_recipe/algo/reuse.py): after a finished pass, maybe skip the rest of this rollout
+            skip_rest = reuse.step_done(record, done.last_in_pass)
+            records.append(record | reuse.status())
+            last_step = (cfg.max_passes - 1, cfg.optimizer_steps_per_pass - 1)  # skipped passes count as done
+            state.position = last_step if skip_rest else (done.pass_index, done.step_index)
+            state.reuse = reuse.state_dict()
+            report(run, state, logger, records[-1])
+            # an evaluation's time is its own (eval/time_s), not the next step's
+            last, last_cpu = time.perf_counter(), time.process_time()
+            # checkpoint on schedule, at the end, or when a signal asks every rank to stop
+            stop, finished = ckpt.stop_requested(), state.step >= cfg.max_steps
+            if stop or ckpt.should_save(state.step) or (finished and cfg.save_steps > 0):
+                ckpt.save(run.engine, state.step, state.state_dict())
+            if stop or finished:
+                logger.close()
+                return records, stop and not finished
+            if skip_rest:
+                break
+        state.next_rollout()
+        with timer("sync"):
+            run.generator.sync(run.engine)  # the next rollout must sample from the updated policy
+    logger.close()
+    return records, False
+
+
+def say_error(line: str) -> None:
+    """One write per line: ranks share stderr, and print's two writes (text, newline) interleave between them."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(argv)
+        preflight(cfg)  # files, the built-in model, vLLM, reward imports: before any process group starts
+    except HelpRequested:
+        if os.environ.get("RANK", "0") == "0":  # under a launcher, once
+            print(help_text())
+        return 0
+    except ConfigError as e:
+        say_error(f"config error: {e}")
+        return 2
+    try:
+        run, state = setup(cfg)
+    except ConfigError as e:
+        say_error(f"config error: {e}")
+        return 2
+    except (DataError, CheckpointError, VLLMUnavailable, RewardError, outdir.OutputDirError) as e:
+        say_error(f"error: {e}")
+        return 2
+    try:
+        records, preempted = train(run, state)
+    except RewardError as e:  # a user's function misbehaved: say which, on every rank, without a traceback
+        say_error(f"reward error (rank {run.rank}): {e}")
+        return 1
+    except (CheckpointError, NonFiniteError, GenerationError) as e:  # all ranks agreed; earlier checkpoints are intact
+        say_error(f"error (rank {run.rank}): {e}")
+        return 1
+    final = Path(cfg.output_dir) / "final"
+    if not preempted:
+        save_hf_model(run.engine, run.tokenizer, final, run.rank, save_merged=cfg.save_merged)
+    if run.rank == 0:
+        if preempted:
+            print(f"stopped by a signal at step {state.step}; checkpoint saved, "
+                  f"exit {PREEMPTED_EXIT_CODE}; rerun with --resume_from_checkpoint auto to continue", file=sys.stderr)
+        else:
+            first, last = reward_quarters(read_jsonl(Path(cfg.output_dir) / "metrics.jsonl") or records)
+            print(f"reward_mean: first quarter {first:.3f} -> last quarter {last:.3f}")
+            print(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}")
+            print(f"model:   {final}")
+    dist.barrier()
+    run.generator.close()  # last: vLLM's shutdown tears the process group down itself
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return PREEMPTED_EXIT_CODE if preempted else 0
+
+
+def cli() -> None:
+    """`python -m grpo_recipe.train` and the `grpo-train` console script."""
+    liveness.run_and_exit(main)  # a failed collective: one line naming the silent rank; no interpreter teardown
+
+
+if __name__ == "__main__":
+    cli()
