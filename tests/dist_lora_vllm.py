@@ -60,7 +60,7 @@ def main():
     out, tp, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     rank, world = init_distributed()
     cfg = Config(generation_backend="vllm", use_peft=True, lora_r=16, lora_alpha=32, lora_target_modules=TARGETS,
-                 vllm_lora_sync=mode, vllm_tensor_parallel_size=tp, vllm_tis_cap=2.0,
+                 vllm_lora_sync=mode, vllm_tensor_parallel_size=tp, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
                  num_generations=2, per_device_train_batch_size=4, max_completion_length=12, max_prompt_length=200,
                  learning_rate=0.05, top_k=0, num_iterations=1, beta=0.05)
     path = model_path(cfg)

@@ -83,7 +83,18 @@ def advantages_from_rewards(cfg: Config, buf: RolloutBuffer, rank: int, world: i
     return group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std=stats["reward_std"])
 
 
-def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zero_std_groups=()):
+def fixed_sampling_logps(buf: RolloutBuffer, rank: int, world: int) -> torch.Tensor:
+    """A sampler's log-probs for this rank's samples, fixed per global sample (so any split sees the same):
+    uniform in [-7.5, -5], around the tiny untrained model's own (about -6.2), so drift ratios spread over
+    about exp(+-1.3) per token and much wider per sequence."""
+    n, c = buf.completion_mask.shape  # c: this rank's longest completion, at most BASE's max_completion_length
+    g = torch.Generator().manual_seed(7)
+    every = torch.rand(n * world, BASE["max_completion_length"], generator=g) * -2.5 - 5.0
+    return every[rank * n:(rank + 1) * n, :c]
+
+
+def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zero_std_groups=(),
+             sampling_logps: bool = False):
     """Fresh engine, this rank's shard of the fixed rollout, `train_on_rollout` over it. Returns the engine,
     the reference, the buffer, the old-log-prob forwards, store counts and each step's statistics.
     `from_rewards`: advantages from fixed rewards as train.py computes them."""
@@ -94,6 +105,8 @@ def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zer
     buf = local_buffer(cfg, rank, world, zero_std_groups=zero_std_groups)
     if from_rewards:
         buf.advantages = advantages_from_rewards(cfg, buf, rank, world).float()
+    if sampling_logps:
+        buf.sampling_logps = fixed_sampling_logps(buf, rank, world)
     stores = torch.zeros(len(buf), dtype=torch.long)
     original_store = buf.store_old_logps
 
@@ -116,8 +129,9 @@ def main():
     for case in cases:
         name, from_rewards = case.pop("name"), case.pop("from_rewards", False)
         zero_std_groups = case.pop("zero_std_groups", ())
+        sampling = case.pop("sampling_logps", False)
         engine, _, buf, forwards, stores, outs = run_case(Config(**{**BASE, **case}), rank, world, from_rewards,
-                                                          zero_std_groups)
+                                                          zero_std_groups, sampling)
         state = engine._zero3_consolidated_16bit_state_dict() if eng.is_zero3(engine) else engine.module.state_dict()
         all_stores = [torch.zeros_like(stores) for _ in range(world)]
         torch.distributed.all_gather(all_stores, stores)
@@ -129,6 +143,10 @@ def main():
                              "clip_ratio_region": torch.tensor([o["clip_ratio_region"] for o in outs], dtype=torch.float64),
                              "entropy": torch.tensor([o["entropy"] for o in outs], dtype=torch.float64),
                              "learning_rate": torch.tensor([o["learning_rate"] for o in outs], dtype=torch.float64),
+                             "loss": torch.tensor([o["loss"] for o in outs], dtype=torch.float64),
+                             "extra": {k: torch.tensor([o.get(k, float("nan")) for o in outs], dtype=torch.float64)
+                                       for k in ("is_ratio_mean", "is_zeroed_fraction", "off_policy_masked_fraction",
+                                                 "clip_ratio_high")},
                              "zero": {"stage": engine.zero_optimization_stage(),
                                       "offload_param": engine.zero_offload_param() is not None,
                                       "offload_optimizer": engine.zero_use_cpu_optimizer()}}

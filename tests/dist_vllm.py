@@ -63,7 +63,7 @@ def main():
     out, tp = sys.argv[1], int(sys.argv[2])
     rank, world = init_distributed()
     cfg = Config(generation_backend="vllm", num_iterations=1, num_generations=2, per_device_train_batch_size=4,
-                 max_completion_length=12, max_prompt_length=32, learning_rate=0.05, top_k=0, vllm_tis_cap=2.0,
+                 max_completion_length=12, max_prompt_length=32, learning_rate=0.05, top_k=0, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
                  vllm_tensor_parallel_size=tp)
     path = model_path(cfg)
     tok = load_tokenizer(path)

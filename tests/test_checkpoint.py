@@ -16,7 +16,7 @@ from procs import descendants, wait_for_step
 from grpo_recipe.config.schema import Config
 from grpo_recipe.dist.env import PREEMPTED_EXIT_CODE, rank_env
 from grpo_recipe.dist.env import torchrun as torchrun_cmd
-from grpo_recipe.run.checkpoint import Checkpointer, CheckpointError, rng_state, safe_load, set_rng_state
+from grpo_recipe.run.checkpoint import Checkpointer, CheckpointError, as_today, rng_state, safe_load, set_rng_state
 from grpo_recipe.run.metrics import read_jsonl
 
 # The quickstart's shape (2 ranks, ZeRO-3) at a fixed mu = 4 made short: 12 steps = 3 rollouts of 4 passes (a fixed
@@ -272,3 +272,20 @@ def test_a_checkpoint_from_the_cap_of_4_names_the_flag_that_resumes_it(tmp_path)
     with pytest.raises(CheckpointError, match=r"the config differs in reuse_max_iterations: 4 -> 8"):
         Checkpointer(Config(), 0, 1).check_config(folder)
     Checkpointer(Config(reuse_max_iterations=4), 0, 1).check_config(folder)
+
+
+def test_a_checkpoint_from_before_trls_loss_fields_resumes_only_into_the_behaviour_it_trained_with():
+    """Fields added since a checkpoint was written take the value that reproduces its training: vllm_tis_cap was
+    TRL's token_truncate; a vLLM run without it had no drift correction; a beta > 0 run had no KL bias correction.
+    A resume under today's defaults is then refused naming the field, not silently changed."""
+    base = {k: v for k, v in Config().to_dict().items()
+            if k not in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                         "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+                         "use_bias_correction_kl")}
+    capped = as_today({**base, "generation_backend": "vllm", "vllm_tis_cap": 2.0})
+    assert capped["vllm_importance_sampling_mode"] == "token_truncate"
+    assert (capped["vllm_importance_sampling_clip_max"], capped["vllm_importance_sampling_clip_min"]) == (2.0, None)
+    assert "vllm_tis_cap" not in capped
+    assert as_today({**base, "generation_backend": "vllm"})["vllm_importance_sampling_correction"] is False
+    assert as_today({**base, "beta": 0.1})["use_bias_correction_kl"] is False
+    assert as_today(base) == Config().to_dict()  # an hf run without beta: nothing it trained with changed

@@ -51,8 +51,35 @@ def test_a_trl_style_config_fails_with_what_to_use(tmp_path):
                                           r"count.*use step_token_mean"):
         load_config(["--config", str(trl), "--loss_type", "bnpo"])
     with pytest.raises(ConfigError, match=r"^vllm_importance_sampling_cap: TRL's field has no equal here; use "
-                                          r"vllm_tis_cap: C"):
+                                          r"vllm_importance_sampling_clip_max"):
         load_config(["--config", str(trl), "--vllm_importance_sampling_cap", "3.0"])
+    with pytest.raises(ConfigError, match=r"^top_entropy_quantile: TRL's option is not available here: the quantile "
+                                          r"would be taken over each micro-batch"):
+        load_config(["--config", str(trl), "--top_entropy_quantile", "0.2"])
+    with pytest.raises(ConfigError, match=r"^vllm_tis_cap: replaced by TRL's fields: vllm_importance_sampling_mode: "
+                                          r"token_truncate with vllm_importance_sampling_clip_max: 2.0$"):
+        load_config(["--config", str(trl), "--vllm_tis_cap", "2.0"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--importance_sampling_level", "sequence"],
+     "importance_sampling_level: sequence with loss_type dapo, which sums token contributions"),
+    (["--importance_sampling_level", "seq", "--loss_type", "grpo"], "importance_sampling_level: must be token or"),
+    (["--loss_type", "cispo"], "epsilon_high: cispo caps the ratio itself at epsilon_high"),
+    (["--loss_type", "cispo", "--epsilon_high", "5.0", "--delta", "8"], "delta: caps the clipped surrogate's ratio"),
+    (["--delta", "1.1"], "delta: must be > 1 + epsilon_high = 1.2"),
+    (["--sapo_temperature_neg", "0"], "sapo_temperature_neg: must be > 0"),
+    (["--off_policy_mask_threshold", "-1"], "off_policy_mask_threshold: must be > 0"),
+    (["--entropy_coef", "-0.1"], "entropy_coef: must be >= 0"),
+    (["--generation_backend", "vllm", "--vllm_importance_sampling_mode", "seq_mask"],
+     "vllm_importance_sampling_mode: must be one of token_truncate, token_mask, sequence_truncate, sequence_mask"),
+    (["--generation_backend", "vllm", "--vllm_importance_sampling_clip_max", "0.5"],
+     "vllm_importance_sampling_clip_max: must be >= 1"),
+])
+def test_bad_loss_options_are_one_line_errors(argv, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
 def test_missing_config_file_and_bad_cli():

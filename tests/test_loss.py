@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from grpo_recipe.algo.loss import (
+    LossSpec,
     clip_counts,
     group_advantages,
     k3_kl,
@@ -166,7 +167,7 @@ def test_ratio_and_approx_kl_stats_match_direct_sums():
 
 def test_clip_counts_respects_mask():
     coef = torch.tensor([[0.1, 5.0]])
-    counts = clip_counts(coef, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), 0.2, 0.2)
+    counts = clip_counts(coef, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), LossSpec(eps_low=0.2, eps_high=0.2))
     assert counts.tolist() == [0.0, 0.0, 1.0, 1.0]
 
 

@@ -140,6 +140,21 @@ def test_quickstart_end_to_end_reward_rises(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("loss", [["--loss_type", "grpo", "--importance_sampling_level", "sequence"],
+                                  ["--loss_type", "cispo", "--epsilon_high", "5.0"]], ids=["gspo", "cispo"])
+def test_quickstart_reward_rises_with_sequence_level_ratios_and_with_cispo(tmp_path, loss):
+    """Two ranks, the quickstart task with mu = 2 (replays: the ratios leave 1), 64 steps."""
+    out = tmp_path / "out"
+    torchrun(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", *loss,
+                 "--num_iterations", "2", "--max_steps", "64", "--output_dir", str(out), "--disable_tqdm", "true"],
+             timeout=1200)
+    records = read_jsonl(out / "metrics.jsonl")
+    first, last = reward_quarters(records)
+    assert last > first + 4.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
+    assert any(abs(r["ratio_mean"] - 1.0) > 1e-4 for r in records)  # the replays were off-policy
+
+
+@pytest.mark.slow
 def test_train_your_own_example_config_end_to_end(tmp_path):
     """The README's "Train your own model on your own data" example as written there: launch/local.sh on the
     shipped GSM8K-shaped parquet file, the built-in math_accuracy reward and a reward function file."""

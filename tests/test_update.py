@@ -223,6 +223,56 @@ def test_same_update_on_1x4_and_2x2_micro_batch_splits(tmp_path):
             torch.testing.assert_close(got2[name]["advantages"], (g0 - g0.mean()) / (rewards.std() + 1e-4))
 
 
+# TRL 1.16's loss options, each a case of the update (tests/test_loss_trl.py: the same loss as TRL's on tensors)
+LOSS_OPTIONS = {
+    "cispo": {"loss_type": "cispo", "epsilon_high": 5.0},
+    "sapo": {"loss_type": "sapo"},
+    "grpo_sequence": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+    "sapo_sequence": {"loss_type": "sapo", "importance_sampling_level": "sequence"},
+    "dapo_delta": {"delta": 1.3, "learning_rate": 0.05},  # a step large enough for ratios past delta
+    "dapo_off_policy_mask": {"off_policy_mask_threshold": 1e-4, "sampling_logps": True,
+                             "generation_backend": "vllm", "vllm_importance_sampling_correction": False},
+    "dapo_entropy_bonus": {"entropy_coef": 0.05},
+    "grpo_kl_bias_corrected": {"loss_type": "grpo", "beta": 0.1, "use_bias_correction_kl": True},
+    **{f"dapo_{mode}": {"generation_backend": "vllm", "vllm_importance_sampling_mode": mode, "sampling_logps": True,
+                        "vllm_importance_sampling_clip_min": 0.5}
+       for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
+}
+
+
+# At ratio 1 (a rollout's first pass, on-policy) these have exactly dapo's gradient, -A grad logp, and its normalizer.
+SAME_ON_POLICY = ("cispo", "dapo_delta")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mu", [1, 2])
+def test_trl_loss_options_give_the_same_update_on_1x4_and_2x2_splits(tmp_path, mu):
+    """Every loss option of TRL 1.16 the recipe has: 1 rank x 4 micro-batches vs 2 ranks x 2, at mu = 1 and 2.
+    Each option must also change the update (against plain dapo), or the case would test nothing."""
+    variants = {"dapo": {}, "dapo_fast": {"learning_rate": 0.05}, **LOSS_OPTIONS}
+    one = [{"name": n, **v, "num_iterations": mu, "gradient_accumulation_steps": 4} for n, v in variants.items()]
+    two = [{"name": n, **v, "num_iterations": mu, "gradient_accumulation_steps": 2} for n, v in variants.items()]
+    got1 = run_cases(tmp_path, 1, one, "one")
+    got2 = run_cases(tmp_path, 2, two, "two")
+    for name in variants:
+        diff = max_diff(got1[name]["state"], got2[name]["state"])
+        tol = 1e-5 * max(1.0, variants[name].get("learning_rate", 0.0) / 1e-2)  # float noise scales with Adam's step
+        assert diff < tol, f"{name} (mu = {mu}): 1x4 vs 2x2 split differ by {diff}"
+        torch.testing.assert_close(got1[name]["loss"], got2[name]["loss"], atol=1e-5, rtol=1e-4)
+        for key, a in got1[name]["extra"].items():
+            torch.testing.assert_close(a, got2[name]["extra"][key], atol=1e-5, rtol=1e-4, equal_nan=True)
+    for name in LOSS_OPTIONS:
+        base = "dapo_fast" if "learning_rate" in LOSS_OPTIONS[name] else "dapo"
+        moved = max_diff(got1[name]["state"], got1[base]["state"])
+        if mu == 1 and name in SAME_ON_POLICY:
+            assert moved < 1e-6, f"{name}: at ratio 1 its gradient is dapo's, yet the update differs by {moved}"
+        else:
+            assert moved > 1e-6, f"{name} (mu = {mu}) trained exactly as plain dapo: the option did nothing"
+    assert (got1["dapo_token_mask"]["extra"]["is_zeroed_fraction"] > 0).all()
+    assert (got1["dapo_token_truncate"]["extra"]["is_zeroed_fraction"] == 0).all()
+    assert (got1["dapo_off_policy_mask"]["extra"]["off_policy_masked_fraction"] > 0).all()
+
+
 @pytest.mark.slow
 def test_mu1_never_computes_or_stores_old_logps(tmp_path):
     got = run_cases(tmp_path, 2, [{"name": "mu1", "num_iterations": 1, "gradient_accumulation_steps": 2}], "mu1")

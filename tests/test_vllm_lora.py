@@ -19,7 +19,8 @@ from grpo_recipe.run.preflight import preflight
 
 MODES = ["merged", "adapter"]
 QUICKSTART_LORA_VLLM = ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart_lora.yaml",
-                        "--generation_backend", "vllm", "--vllm_tis_cap", "2.0", "--max_steps", "32",
+                        "--generation_backend", "vllm", "--vllm_importance_sampling_mode", "token_truncate",
+                        "--vllm_importance_sampling_clip_max", "2.0", "--max_steps", "32",
                         "--save_total_limit", "0", "--disable_tqdm", "true"]
 
 

@@ -4,20 +4,25 @@ Normalization contract (what makes a rollout's update independent of how it is s
 `reduce_loss` returns sum(units in this micro-batch) / normalizer, with `normalizer` from `loss_normalizers`
 = (units in the whole optimizer step, all ranks) / world_size. DeepSpeed then sums micro-batches
 (backward with scale_wrt_gas=False) and averages ranks, which gives sum(all units) / all units.
-This module is the one place that knows each loss type's unit and denominator.
+This module is the one place that knows each loss type's unit, denominator and surrogate, and each
+importance-sampling mode: the loop hands it a `LossSpec` (data) and never branches on them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-SEQUENCE_LOSSES = ("grpo", "dr_grpo")  # a unit is a sequence; step_token_mean and dapo count tokens
+SEQUENCE_LOSSES = ("grpo", "dr_grpo", "sapo")  # a unit is a sequence; step_token_mean, dapo and cispo count tokens
+CLIPPED_LOSSES = ("grpo", "step_token_mean", "dr_grpo", "dapo")  # PPO's clipped surrogate -min(r A, clip(r) A)
 
 
 LOGPS_CHUNK_ELEMENTS = 1 << 24  # fp32 elements of logits handled at once (64 MiB)
 
 
 def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, own_logits: bool = False,
-                with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                with_entropy: bool = False, entropy_grad: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """fp32 log softmax(logits / T)[ids] per token: [B, C] from logits [B, L >= C, V] (position t predicts
     ids[:, t]; positions from C on are ignored and get no gradient).
 
@@ -25,10 +30,13 @@ def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.
     a time (a custom autograd function that keeps only the logits, in their own dtype, and the per-token
     log-normalizers). The gradient goes into one tensor shaped like the logits; with `own_logits` (the caller
     has no other use for them) into the logits' own memory, which the backward then overwrites.
-    `with_entropy` also returns each position's entropy of softmax(logits / T) (no gradient): a metric the
-    training forward's logits give for one more read.
+    `with_entropy` also returns each position's entropy of softmax(logits / T) from the same logits: a metric
+    (no gradient), or with `entropy_grad` a term of the loss (an entropy bonus), differentiated in the same
+    chunked backward.
     """
-    logps = _SelectiveLogSoftmax.apply(logits, ids, temperature, own_logits)
+    if with_entropy and entropy_grad:
+        return _SelectiveLogSoftmax.apply(logits, ids, temperature, own_logits, True)
+    logps = _SelectiveLogSoftmax.apply(logits, ids, temperature, own_logits, False)
     if not with_entropy:
         return logps
     return logps, token_entropy(logits.detach(), ids.shape[1], temperature)
@@ -55,30 +63,45 @@ def _chunks(logits: torch.Tensor, length: int):
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, temperature, own_logits):
+    def forward(ctx, logits, ids, temperature, own_logits, entropy):
         out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
+        ent = torch.empty_like(out) if entropy else None
         for b, s, e in _chunks(logits, ids.shape[1]):
             x = logits[b, s:e].float() / temperature
             lse[b, s:e] = torch.logsumexp(x, dim=-1)
             out[b, s:e] = x.gather(-1, ids[b, s:e].unsqueeze(-1)).squeeze(-1) - lse[b, s:e]
+            if entropy:  # H = lse - E_p[x]
+                ent[b, s:e] = lse[b, s:e] - (torch.exp(x - lse[b, s:e].unsqueeze(-1)) * x).sum(-1)
         ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature, ctx.own_logits = temperature, own_logits
-        return out
+        ctx.temperature, ctx.own_logits, ctx.entropy = temperature, own_logits, entropy
+        return (out, ent) if entropy else out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_ent=None):
         logits, ids, lse = ctx.saved_tensors
         t = ctx.temperature
         grad = logits if ctx.own_logits else torch.empty_like(logits)
+        if grad_out is None:
+            grad_out = torch.zeros_like(lse)
         for b, s, e in _chunks(logits, ids.shape[1]):
             g = grad_out[b, s:e].float().unsqueeze(-1)
+            x = logits[b, s:e].float() / t
+            p = torch.exp(x - lse[b, s:e].unsqueeze(-1))
+            if ctx.entropy and grad_ent is not None:
+                # d H / d x = -p (x - E_p[x]); computed before p is reused below
+                h = grad_ent[b, s:e].float().unsqueeze(-1)
+                dx = p * (x - (p * x).sum(-1, keepdim=True)) * -h
+            else:
+                dx = None
             # d logp[id] / d x = onehot(id) - softmax(x), and x = logits / T
-            x = torch.exp(logits[b, s:e].float() / t - lse[b, s:e].unsqueeze(-1)).mul_(-g)
+            x = p.mul_(-g)
             x.scatter_add_(-1, ids[b, s:e].unsqueeze(-1), g)
+            if dx is not None:
+                x.add_(dx)
             grad[b, s:e] = x.div_(t)  # chunk by chunk, so each chunk is read before it is overwritten
         grad[:, ids.shape[1]:] = 0
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -112,13 +135,67 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return (centered / (std + STD_EPS)).flatten()
 
 
+@dataclass(frozen=True)
+class LossSpec:
+    """What the policy loss is, as data: the loss type and every option that shapes it (TRL's names)."""
+    loss_type: str = "dapo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    importance_sampling_level: str = "token"  # token: a ratio per token; sequence (GSPO): one per sequence
+    delta: float | None = None  # two-sided clipping: r is also capped at delta (INTELLECT-2)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    off_policy_mask_threshold: float | None = None  # drop A < 0 sequences whose mean KL to the sampler exceeds it
+    beta: float = 0.0
+    use_bias_correction_kl: bool = False  # the k3 term times the ratio (unbiased reverse-KL gradient)
+    entropy_coef: float = 0.0
+
+
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """exp(logp - old_logp) per token [B, C], or (sequence) exp of its masked mean per sequence [B, 1]."""
+    log_ratio = logp - old_logp
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif level != "token":
+        raise ValueError(f"importance_sampling_level: unknown {level!r}")
+    return torch.exp(log_ratio)
+
+
+def surrogate(coef_1: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """Per-token policy loss before masking and aggregation ([B, C], or [B, 1] for a sequence-level clipped or
+    sapo loss: it broadcasts over the sequence's tokens).
+
+    grpo, step_token_mean, dr_grpo, dapo: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r capped at `delta`
+    when set; cispo: -sg(min(r, eps_high)) A logp (the ratio only weights the policy gradient); sapo:
+    -sigmoid(t (r - 1)) 4 / t A, t the temperature of A's sign (a soft trust region)."""
+    adv = advantages.unsqueeze(-1)
+    if spec.loss_type in CLIPPED_LOSSES:
+        coef_2 = torch.clamp(coef_1, 1.0 - spec.eps_low, 1.0 + spec.eps_high)
+        if spec.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=spec.delta)
+        return -torch.min(coef_1 * adv, coef_2 * adv)
+    if spec.loss_type == "cispo":
+        return -torch.clamp(coef_1, max=spec.eps_high).detach() * adv * logp
+    if spec.loss_type == "sapo":
+        t = torch.where(adv > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg)
+        return -torch.sigmoid(t * (coef_1 - 1.0)) * 4.0 / t * adv
+    raise ValueError(f"loss_type: unknown {spec.loss_type!r}")
+
+
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                       eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token -min(r A, clip(r, 1-eps_low, 1+eps_high) A), and the ratio r = exp(logp - old_logp)."""
     coef_1 = torch.exp(logp - old_logp)
-    coef_2 = torch.clamp(coef_1, 1.0 - eps_low, 1.0 + eps_high)
-    adv = advantages.unsqueeze(-1)
-    return -torch.min(coef_1 * adv, coef_2 * adv), coef_1
+    return surrogate(coef_1, logp, advantages, LossSpec("dapo", eps_low, eps_high)), coef_1
+
+
+def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask [B, 1]: keep a sequence when A >= 0 or its mean per-token KL
+    (sampling_logp - logp, tokens without a sampling log-prob count 0) is at most `threshold`."""
+    kl = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -131,15 +208,15 @@ def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, nor
                 max_completion_length: int) -> torch.Tensor:
     """Sum this micro-batch's loss units and divide by `normalizer` (see the module docstring).
 
-    grpo: unit = a sequence's mean token loss; dr_grpo: a sequence's token-loss sum / max_completion_length;
-    step_token_mean and dapo: unit = a token (they differ only in the normalizer the caller passes).
+    grpo, sapo: unit = a sequence's mean token loss; dr_grpo: a sequence's token-loss sum / max_completion_length;
+    step_token_mean, dapo and cispo: unit = a token (they differ only in the normalizer the caller passes).
     """
     masked = per_token * mask
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         units = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
     elif loss_type == "dr_grpo":
         units = masked.sum(-1) / max_completion_length
-    elif loss_type in ("step_token_mean", "dapo"):
+    elif loss_type in ("step_token_mean", "dapo", "cispo"):
         units = masked
     else:
         raise ValueError(f"loss_type: unknown {loss_type!r}")
@@ -152,63 +229,106 @@ def loss_normalizers(loss_type: str, step_tokens: torch.Tensor, step_sequences: 
 
     `step_tokens`, `step_sequences` [passes, steps]: active completion tokens and trained sequences of each step,
     summed over all ranks (known at rollout time; ranks may differ when zero_std_filter leaves groups out).
-    grpo, dr_grpo: the step's sequences; step_token_mean: the step's tokens; dapo: the rollout's mean tokens per step,
-    the same for every step of a pass.
+    grpo, dr_grpo, sapo: the step's sequences; step_token_mean: the step's tokens; dapo, cispo: the rollout's mean
+    tokens per step, the same for every step of a pass.
     """
     passes, steps = step_tokens.shape
     if loss_type in SEQUENCE_LOSSES:
         return step_sequences.float().clamp(min=1.0) / world_size
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         step_tokens = step_tokens.sum(dim=1, keepdim=True).expand(passes, steps) / steps
     elif loss_type != "step_token_mean":
         raise ValueError(f"loss_type: unknown {loss_type!r}")
     return step_tokens.clamp(min=1.0) / world_size
 
 
-def clip_counts(coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                eps_low: float, eps_high: float) -> torch.Tensor:
-    """Token counts [low, high, region, total] where clipping removed the gradient.
+def clip_counts(coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """Token counts [low, high, region, total] where the loss cut the ratio's gradient.
 
-    low: A < 0 and r < 1 - eps_low; high: A > 0 and r > 1 + eps_high; region: r outside the interval.
+    Clipped losses: low: A < 0 and r < 1 - eps_low; high: A > 0 and r > 1 + eps_high; region: r outside the
+    interval. cispo: high and region where r > eps_high (its cap); sapo: none (no hard clip). A sequence-level
+    ratio counts for each of its tokens.
     """
     adv = advantages.unsqueeze(-1)
-    below, above = coef_1 < 1.0 - eps_low, coef_1 > 1.0 + eps_high
     m = mask.bool()
+    if spec.loss_type in CLIPPED_LOSSES:
+        below, above = coef_1 < 1.0 - spec.eps_low, coef_1 > 1.0 + spec.eps_high
+    elif spec.loss_type == "cispo":
+        below, above = torch.zeros_like(coef_1, dtype=torch.bool), coef_1 > spec.eps_high
+    else:
+        below = above = torch.zeros_like(coef_1, dtype=torch.bool)
+    below, above = below.expand_as(m), above.expand_as(m)
     return torch.stack([((below & (adv < 0)) & m).sum(), ((above & (adv > 0)) & m).sum(),
                         ((below | above) & m).sum(), m.sum()]).float()
 
 
+def sampler_is_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                       clip_min: float | None, clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights of the sampler's drift (vLLM drew the tokens from slightly different probabilities than
+    the trainer's old policy computes): exp(old_logp - sampling_logp), per token or (sequence_*) summed over a
+    sequence's tokens into one weight; *_truncate clamps it to [clip_min, clip_max], *_mask sets it to 0 outside.
+    Tokens without a sampling log-prob count as no drift. Returns (weights [B, C] or [B, 1], detached; the raw
+    per-token ratios [B, C], 1 outside the mask, for metrics)."""
+    diff = torch.nan_to_num((old_logp - sampling_logp) * mask, nan=0.0)
+    token_ratio = torch.where(mask.bool(), torch.exp(diff), torch.ones_like(diff)).detach()
+    level, _, constraint = mode.partition("_")
+    if level not in ("token", "sequence") or constraint not in ("truncate", "mask"):
+        raise ValueError(f"vllm_importance_sampling_mode: unknown {mode!r}")
+    ratio = torch.exp(diff.sum(-1, keepdim=True)) if level == "sequence" else torch.exp(diff)
+    lo = -float("inf") if clip_min is None else clip_min
+    hi = float("inf") if clip_max is None else clip_max
+    if constraint == "truncate":
+        weights = ratio.clamp(min=lo, max=hi)
+    else:
+        weights = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+    return weights.detach(), token_ratio
+
+
 def truncated_is_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
                          cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance sampling of the sampler's drift: min(exp(old_logp - sampling_logp), cap).
-
-    The sampler (vLLM) drew the tokens from slightly different probabilities than the trainer's old policy
-    computes; weighting each token's surrogate by that ratio keeps the gradient on-policy, and the cap bounds
-    its variance. Returns (weights, raw ratios); both are 1 outside the mask (no padding can leak NaN/inf).
-    """
-    m = mask.bool()
-    ratio = torch.where(m, torch.exp(old_logp - sampling_logp.nan_to_num(0.0)), torch.ones_like(old_logp))
-    return ratio.clamp(max=cap).detach(), ratio.detach()
+    """Per-token truncated importance sampling, min(exp(old_logp - sampling_logp), cap): `token_truncate`."""
+    weights, ratio = sampler_is_weights(old_logp, sampling_logp, mask, "token_truncate", None, cap)
+    return torch.where(mask.bool(), weights, torch.ones_like(weights)), ratio
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                loss_type: str, eps_low: float, eps_high: float, normalizer: float, max_completion_length: int,
-                beta: float = 0.0, ref_logp: torch.Tensor | None = None,
-                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """The GRPO loss of one micro-batch, and detached statistics for logging.
+                normalizer: float, max_completion_length: int, spec: LossSpec | None = None,
+                loss_type: str | None = None, eps_low: float = 0.2, eps_high: float = 0.2, beta: float = 0.0,
+                ref_logp: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
+                sampling_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                entropy_normalizer: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The GRPO loss of one micro-batch, and detached statistics for logging (TRL's `_compute_loss` order).
 
-    `is_weights` (per token, see `truncated_is_weights`) multiply the clipped surrogate, not the KL term.
+    `spec` says which loss (or the loose `loss_type`, `eps_*`, `beta` of a plain clipped loss). The surrogate is
+    multiplied by the off-policy mask (needs `sampling_logp`, the sampler's log-probs; `old_logp` stands in where it
+    has none), then by `is_weights` (see `sampler_is_weights`), then the k3 term is added, then aggregated per the
+    loss type. With `spec.entropy_coef`, `entropy` (with its gradient) enters as -coef x the step's mean token
+    entropy: sum over this micro-batch / `entropy_normalizer` (the step's tokens, all ranks, / world size).
+    The statistics come from per-token ratios whatever the importance-sampling level: the reuse rule's KL.
     """
-    per_token, coef_1 = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)
-    ratio, log_ratio = coef_1.detach(), logp.detach() - old_logp
-    # k3 estimate of KL(old || current) from the same ratios: r - 1 - log r (>= 0, no extra forward)
-    stats = {"clip_counts": clip_counts(ratio, advantages, mask, eps_low, eps_high),
-             "ratio_sum": (ratio * mask).sum(), "approx_kl_sum": ((ratio - 1.0 - log_ratio) * mask).sum()}
+    if spec is None:
+        spec = LossSpec(loss_type or "dapo", eps_low, eps_high, beta=beta)
+    coef_1 = importance_ratio(logp, old_logp, mask, spec.importance_sampling_level)
+    per_token = surrogate(coef_1, logp, advantages, spec)
+    token_ratio = torch.exp(logp.detach() - old_logp)
+    log_ratio = logp.detach() - old_logp
+    # k3 estimate of KL(old || current) from the token ratios: r - 1 - log r (>= 0, no extra forward)
+    stats = {"clip_counts": clip_counts(coef_1.detach(), advantages, mask, spec),
+             "ratio_sum": (token_ratio * mask).sum(), "approx_kl_sum": ((token_ratio - 1.0 - log_ratio) * mask).sum()}
+    if spec.off_policy_mask_threshold is not None:
+        keep = off_policy_mask(advantages, logp, old_logp if sampling_logp is None else sampling_logp, mask,
+                               spec.off_policy_mask_threshold)
+        per_token = per_token * keep
+        stats["off_policy_masked"] = ((1.0 - keep) * (mask.sum(-1, keepdim=True) > 0)).sum()
     if is_weights is not None:
         per_token = per_token * is_weights
-    if beta > 0.0:
+    if spec.beta > 0.0:
         kl = k3_kl(logp, ref_logp)
-        per_token = per_token + beta * kl
         stats["kl_sum"] = (kl.detach() * mask).sum()
-    loss = reduce_loss(per_token, mask, loss_type, normalizer, max_completion_length)
+        if spec.use_bias_correction_kl:
+            kl = kl * coef_1
+        per_token = per_token + spec.beta * kl
+    loss = reduce_loss(per_token, mask, spec.loss_type, normalizer, max_completion_length)
+    if spec.entropy_coef != 0.0:
+        loss = loss - spec.entropy_coef * (entropy * mask).sum() / entropy_normalizer
     return loss, stats

@@ -13,13 +13,25 @@ import torch.distributed as dist
 
 from grpo_recipe.algo.buffer import RolloutBuffer
 from grpo_recipe.algo.clock import Timer
-from grpo_recipe.algo.loss import loss_normalizers, policy_loss, token_logps, truncated_is_weights
+from grpo_recipe.algo.loss import LossSpec, loss_normalizers, policy_loss, sampler_is_weights, token_logps
 from grpo_recipe.config.schema import Config
 from grpo_recipe.dist.group import all_reduce_named, device
 
 # per-rank sums of one optimizer step, all-reduced together (this order is the all-reduce's layout)
 STEP_SUMS = ("loss", "clip_low", "clip_high", "clip_region", "tokens", "kl", "ratio", "approx_kl", "is_ratio",
-             "entropy")
+             "entropy", "is_zeroed", "off_policy_masked", "sequences")
+
+
+def loss_spec(cfg: Config) -> LossSpec:
+    """The policy loss the config asks for, as data for algo/loss.py."""
+    return LossSpec(cfg.loss_type, cfg.epsilon, cfg.eps_high, cfg.importance_sampling_level, cfg.delta,
+                    cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, cfg.off_policy_mask_threshold, cfg.beta,
+                    cfg.use_bias_correction_kl, cfg.entropy_coef)
+
+
+def corrects_sampler(cfg: Config) -> bool:
+    """Whether the loss weighs vLLM's drift from the trainer (the hf backend samples with the trainer's weights)."""
+    return cfg.generation_backend == "vllm" and cfg.vllm_importance_sampling_correction
 
 
 @dataclass
@@ -57,7 +69,7 @@ def check_finite(done: StepResult, step: int, skipped: int, allowed: int) -> boo
 
 
 def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                  temperature: float, with_entropy: bool = False):
+                  temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
     """Per-token log-probs (fp32) of the completion part under the sampling temperature (and with `with_entropy`,
     each position's entropy from the same logits: (logps, entropy)).
 
@@ -70,7 +82,7 @@ def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, logits_to_keep=completion_len + 1).logits
     return token_logps(logits, input_ids[:, -completion_len:], temperature, own_logits=True,
-                       with_entropy=with_entropy)
+                       with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
 def _to_device(mb: dict) -> dict:
@@ -101,7 +113,7 @@ def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[
             with timer("train"):
                 # Samples of the first step of the first pass see the policy that sampled them: their old
                 # log-probs are that step's own forward, captured for the later passes.
-                stats = optimizer_step(engine, ref, buf, micro_batches, norms[p, s].item(), cfg,
+                stats = optimizer_step(engine, ref, buf, micro_batches, norms[p, s].tolist(), cfg,
                                        capture_old_logps=cfg.needs_old_logps and (p, s) == (0, 0), timer=timer)
             yield StepResult(p, s, s == len(steps) - 1, stats, forwards, applied=engine.was_step_applied())
             forwards = 0
@@ -123,23 +135,27 @@ def normalizers(buf: RolloutBuffer, plan: list, cfg: Config) -> torch.Tensor:
     all-reduce."""
     counts = all_reduce_named({"tokens": buf.token_counts(plan).to(device()),
                                "sequences": buf.sequence_counts(plan).to(device())})
-    return loss_normalizers(cfg.loss_type, counts["tokens"].cpu(), counts["sequences"].cpu(), dist.get_world_size())
+    world = dist.get_world_size()
+    policy = loss_normalizers(cfg.loss_type, counts["tokens"].cpu(), counts["sequences"].cpu(), world)
+    tokens = loss_normalizers("step_token_mean", counts["tokens"].cpu(), counts["sequences"].cpu(), world)
+    return torch.stack([policy, tokens], dim=-1)  # [passes, steps, 2]: the policy loss's, the entropy bonus's
 
 
-def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizer: float,
+def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizers: list[float],
                    cfg: Config, capture_old_logps: bool, timer: Timer) -> dict:
-    """Backward over each micro-batch, then one optimizer step. Returns step statistics over all ranks."""
+    """Backward over each micro-batch, then one optimizer step. Returns step statistics over all ranks.
+    `normalizers`: the step's (policy loss, entropy bonus) normalizers."""
     sums = {name: torch.zeros((), device=device()) for name in STEP_SUMS}
     is_max = torch.zeros(1, device=device())
-    cap = cfg.vllm_tis_cap
+    spec, correct = loss_spec(cfg), corrects_sampler(cfg)
     lr = engine.get_lr()[0]  # what this step's update uses (the scheduler steps at its accumulation boundary)
     for idx in micro_batches:
         mb = _to_device(buf.micro_batch(idx))
         mask, c_len = mb["completion_mask"], mb["completion_mask"].shape[1]
         with timer("forward"):
             logp, entropy = forward_logps(engine, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature,
-                                          with_entropy=True)
-        sums["entropy"] += (entropy * mask).sum()
+                                          with_entropy=True, entropy_grad=spec.entropy_coef != 0.0)
+        sums["entropy"] += (entropy.detach() * mask).sum()
         # Samples the policy has not been updated on yet: their old log-probs are this very forward.
         fresh = ~mb["has_old_logps"]
         old = torch.where(fresh.unsqueeze(-1), logp.detach(), mb["old_logps"])
@@ -149,15 +165,18 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
         if cfg.beta > 0.0:
             with torch.no_grad():
                 ref_logp = forward_logps(ref, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature)
-        is_weights = None
-        if cap is not None:  # the sampler's drift from the old policy, corrected per token
-            is_weights, is_ratio = truncated_is_weights(old, mb["sampling_logps"], mask, cap)
+        is_weights, sampling = None, mb["sampling_logps"] if cfg.generation_backend == "vllm" else None
+        if correct:  # the sampler's drift from the old policy
+            is_weights, is_ratio = sampler_is_weights(old, sampling, mask, cfg.vllm_importance_sampling_mode,
+                                                      cfg.vllm_importance_sampling_clip_min,
+                                                      cfg.vllm_importance_sampling_clip_max)
             sums["is_ratio"] += (is_ratio * mask).sum()
+            sums["is_zeroed"] += ((is_weights == 0).expand_as(mask) * mask).sum()
             is_max = torch.maximum(is_max, (is_ratio * mask).max().reshape(1))
-        loss, stats = policy_loss(logp, old, mb["advantages"], mask, loss_type=cfg.loss_type,
-                                  eps_low=cfg.epsilon, eps_high=cfg.eps_high, normalizer=normalizer,
-                                  max_completion_length=cfg.max_completion_length, beta=cfg.beta,
-                                  ref_logp=ref_logp, is_weights=is_weights)
+        loss, stats = policy_loss(logp, old, mb["advantages"], mask, spec=spec, normalizer=normalizers[0],
+                                  max_completion_length=cfg.max_completion_length, ref_logp=ref_logp,
+                                  is_weights=is_weights, sampling_logp=sampling, entropy=entropy,
+                                  entropy_normalizer=normalizers[1])
         with timer("backward"):
             engine.backward(loss, scale_wrt_gas=False)  # the normalizer already accounts for accumulation
         with timer("optimizer"):
@@ -167,10 +186,13 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
             sums[name] += count
         if "kl_sum" in stats:
             sums["kl"] += stats["kl_sum"]
+        if "off_policy_masked" in stats:
+            sums["off_policy_masked"] += stats["off_policy_masked"]
+        sums["sequences"] += (mask.sum(-1) > 0).sum()
         sums["ratio"] += stats["ratio_sum"]
         sums["approx_kl"] += stats["approx_kl_sum"]
     sums = all_reduce_named(sums)
-    if cap is not None and dist.get_world_size() > 1:
+    if correct and dist.get_world_size() > 1:
         dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
     world = dist.get_world_size()
     tokens = sums["tokens"].clamp(min=1.0)
@@ -182,8 +204,11 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
            "learning_rate": lr}
     if cfg.beta > 0.0:
         out["kl"] = (sums["kl"] / tokens).item()
-    if cap is not None:  # before the cap: how far the sampler drifted from the trainer
+    if correct:  # before truncation or masking: how far the sampler drifted from the trainer, per token
         out["is_ratio_mean"], out["is_ratio_max"] = (sums["is_ratio"] / tokens).item(), is_max.item()
+        out["is_zeroed_fraction"] = (sums["is_zeroed"] / tokens).item()  # *_mask modes: tokens given weight 0
+    if cfg.off_policy_mask_threshold is not None:
+        out["off_policy_masked_fraction"] = (sums["off_policy_masked"] / sums["sequences"].clamp(min=1.0)).item()
     grad_norm = engine.get_global_grad_norm()
     if grad_norm is not None:
         out["grad_norm"] = float(grad_norm)

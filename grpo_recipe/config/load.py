@@ -68,9 +68,18 @@ TRL_NAMES = {
     "dataset_train_split": "dataset_split", "vllm_max_model_length": "vllm_max_model_len",
     "num_train_epochs": "max_steps (optimizer steps)",
     "generation_kwargs": "the sampling fields themselves (stop, ...)",
-    **dict.fromkeys([f"vllm_importance_sampling_{k}" for k in ("cap", "correction", "mode", "clip_max", "clip_min")],
-                    "vllm_tis_cap: C (per-token truncation at C, TRL's mode token_truncate; its default, "
-                    "sequence_mask, is not implemented)"),
+    "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max (TRL's own new name)",
+}
+# TRL options this recipe does not have, and why.
+NOT_HERE = {
+    "top_entropy_quantile": "the quantile would be taken over each micro-batch, so the update would depend on the "
+                            "micro-batch split; over the whole optimizer step it needs every entropy before the "
+                            "first backward",
+    **dict.fromkeys(("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+                     "entropy_target"), "the entropy coefficient is fixed (entropy_coef); an adaptive one is not "
+                                        "implemented"),
+    **dict.fromkeys(("vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg"),
+                    "loss_type vespo is not implemented (grpo, step_token_mean, dr_grpo, dapo, cispo, sapo are)"),
 }
 
 
@@ -89,8 +98,14 @@ def unknown_key_message(key: str, values: dict) -> str:
                 + (f" = {spg} / {ga} = {spg // ga}" if exact else ""))
     if key in TRL_NAMES:
         return f"{key}: TRL's field has no equal here; use {TRL_NAMES[key]}"
+    if key in NOT_HERE:
+        return f"{key}: TRL's option is not available here: {NOT_HERE[key]}"
     if key == "report_to_tensorboard":  # an earlier field of this recipe
         return f"{key}: replaced by report_to: write report_to: [tensorboard]"
+    if key == "vllm_tis_cap":  # an earlier field of this recipe
+        cap = values.get(key)
+        return (f"{key}: replaced by TRL's fields: vllm_importance_sampling_mode: token_truncate with "
+                f"vllm_importance_sampling_clip_max: {cap if cap is not None else 'CAP'}")
     close = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(Config)], n=1, cutoff=0.6)
     return f"unknown field {key!r}" + (f": did you mean {close[0]}?" if close else " (--help lists every field)")
 

@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo", "cispo", "sapo")  # what each means: algo/loss.py
+# Losses that sum token contributions: a sequence-level ratio would weight each sequence by its length.
+TOKEN_SUM_LOSSES = ("step_token_mean", "dr_grpo", "dapo", "cispo")
+IS_LEVELS = ("token", "sequence")
+SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 LORA_SYNC_MODES = ("merged", "adapter")  # how a LoRA policy reaches vLLM (generation/vllm_lora.py)
 # Endings that make dataset_name a local file (so a missing one is "file not found", not a hub lookup);
@@ -89,8 +93,13 @@ class Config:
     vllm_enable_sleep_mode: bool = opt(False, "GPU only: release vLLM's KV cache and weights while training")
     vllm_max_model_len: int | None = opt(None, "vLLM context length; null = max_prompt_length + max_completion_length")
     vllm_kv_cache_mib: int | None = opt(None, "vLLM KV cache size; null = from the utilization (GPU), one rollout")
-    vllm_tis_cap: float | None = opt(None, "truncated importance sampling of vLLM's drift, per token: weight "
-                                     "min(exp(old_logp - vllm_logp), cap); null = off")
+    vllm_importance_sampling_correction: bool = opt(True, "weight the loss by vLLM's drift from the trainer, "
+                                                    "exp(old_logp - vllm_logp), per vllm_importance_sampling_mode")
+    vllm_importance_sampling_mode: str = opt("sequence_mask", "token_truncate, token_mask, sequence_truncate or "
+                                             "sequence_mask: per token or one ratio per sequence (its token sum); "
+                                             "clamp to [clip_min, clip_max] or set to 0 outside")
+    vllm_importance_sampling_clip_min: float | None = opt(None, "lower bound of the drift ratio; null = none")
+    vllm_importance_sampling_clip_max: float | None = opt(3.0, "upper bound of the drift ratio; null = none")
     vllm_lora_sync: str = opt("merged", "with use_peft: merged (base + delta, reload_weights) or adapter (vLLM LoRA)")
     # --- rewards -----------------------------------------------------------------------
     reward_funcs: list = opt([{"func": "length", "kwargs": {"target_chars": 60}}],
@@ -101,9 +110,20 @@ class Config:
     num_iterations: int | str = opt("auto", "mu: optimizer passes over each rollout, or auto: decided after each "
                                     "pass, at most reuse_max_iterations (README: Reuse decided per rollout)")
     epsilon: float = opt(0.2, "clip range low: ratios below 1 - epsilon are clipped")
-    epsilon_high: float | None = opt(None, "clip range high (1 + epsilon_high); null = epsilon")
+    epsilon_high: float | None = opt(None, "clip range high (1 + epsilon_high); null = epsilon. cispo: the ratio "
+                                     "cap itself (ScaleRL: 5.0)")
+    delta: float | None = opt(None, "two-sided clipping: also cap the ratio at delta (> 1 + epsilon_high); null = off")
+    importance_sampling_level: str = opt("token", "token: a ratio per token; sequence (GSPO): exp of the sequence's "
+                                         "mean log-ratio, for grpo and sapo")
+    sapo_temperature_pos: float = opt(1.0, "sapo: temperature of the soft gate for tokens with advantage > 0")
+    sapo_temperature_neg: float = opt(1.05, "sapo: temperature of the soft gate for tokens with advantage <= 0")
+    off_policy_mask_threshold: float | None = opt(None, "drop sequences with advantage < 0 whose mean KL to the "
+                                                  "sampling policy exceeds this (DeepSeek-V3.2); null = off")
+    use_bias_correction_kl: bool = opt(True, "with beta > 0: multiply the k3 term by the importance ratio (the "
+                                             "unbiased reverse-KL gradient)")
+    entropy_coef: float = opt(0.0, "entropy bonus: subtract coef x the mean token entropy of the optimizer step")
     beta: float = opt(0.0, "KL coefficient (k3) against the frozen reference model; 0 = no reference")
-    loss_type: str = opt("dapo", "grpo, step_token_mean, dr_grpo or dapo (README: how each normalizes)")
+    loss_type: str = opt("dapo", "grpo, step_token_mean, dr_grpo, dapo, cispo or sapo (docs: the loss table)")
     mask_truncated_completions: bool = opt(False, "drop completions that hit max_completion_length from the loss")
     reuse_target_kl: float | None = opt(None, "adaptive reuse at a fixed mu: skip a rollout's remaining passes once a "
                                         "pass's mean approximate KL to the sampling policy exceeds this; null = off")
@@ -253,6 +273,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.loss_type != "bnpo", "loss_type: bnpo: TRL's bnpo divides each micro-batch by its own token count, so "
          "its update depends on how the rollout is split; use step_token_mean (the step's tokens on all ranks) or dapo")
     need(cfg.loss_type in LOSS_TYPES, f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {cfg.loss_type!r}")
+    validate_loss_options(cfg)
     need(cfg.scale_rewards in SCALE_REWARDS,
          f"scale_rewards: must be one of {', '.join(SCALE_REWARDS)}, got {cfg.scale_rewards!r}")
     need(cfg.temperature > 0.0, f"temperature: must be > 0, got {cfg.temperature}")
@@ -303,10 +324,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
     if cfg.generation_backend == "vllm":
         validate_vllm(cfg, world_size)
-    else:
-        need(cfg.vllm_tis_cap is None,
-             "vllm_tis_cap: needs generation_backend: vllm "
-             "(the hf backend samples with the trainer's own weights)")
 
 
 def check_sampling_is_scored(cfg: Config) -> None:
@@ -359,6 +376,35 @@ def validate_vllm(cfg: Config, world_size: int) -> None:
                           f"= {cfg.max_prompt_length + cfg.max_completion_length}")
     if cfg.vllm_kv_cache_mib is not None and cfg.vllm_kv_cache_mib < 1:
         raise ConfigError(f"vllm_kv_cache_mib: must be >= 1, got {cfg.vllm_kv_cache_mib}")
-    cap = cfg.vllm_tis_cap
-    if cap is not None and cap < 1.0:
-        raise ConfigError(f"vllm_tis_cap: must be >= 1 (it truncates ratios from above), got {cap}")
+    mode = cfg.vllm_importance_sampling_mode
+    need(mode in SAMPLER_IS_MODES, f"vllm_importance_sampling_mode: must be one of {', '.join(SAMPLER_IS_MODES)}, "
+                                   f"got {mode!r}")
+    lo, hi = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    need(lo is None or lo >= 0.0, f"vllm_importance_sampling_clip_min: must be >= 0, got {lo}")
+    need(hi is None or hi >= 1.0, f"vllm_importance_sampling_clip_max: must be >= 1 (a ratio of 1 is no drift), "
+                                  f"got {hi}")
+    need(lo is None or lo <= 1.0, f"vllm_importance_sampling_clip_min: must be <= 1 (a ratio of 1 is no drift), "
+                                  f"got {lo}")
+
+
+def validate_loss_options(cfg: Config) -> None:
+    """The policy-loss options of TRL's GRPOConfig, each on its own and in combination."""
+    level = cfg.importance_sampling_level
+    need(level in IS_LEVELS, f"importance_sampling_level: must be token or sequence, got {level!r}")
+    need(level == "token" or cfg.loss_type not in TOKEN_SUM_LOSSES,
+         f"importance_sampling_level: sequence with loss_type {cfg.loss_type}, which sums token contributions, "
+         f"weights each sequence by its length instead of the per-sequence objective: use loss_type grpo or sapo")
+    need(cfg.delta is None or cfg.delta > 1.0 + cfg.eps_high,
+         f"delta: must be > 1 + epsilon_high = {1.0 + cfg.eps_high} (it caps ratios above the clip range), "
+         f"got {cfg.delta}")
+    need(cfg.delta is None or cfg.loss_type not in ("cispo", "sapo"),
+         f"delta: caps the clipped surrogate's ratio; loss_type {cfg.loss_type} has none")
+    if cfg.loss_type == "cispo":
+        need(cfg.epsilon_high is not None and cfg.epsilon_high > 1.0,
+             f"epsilon_high: cispo caps the ratio itself at epsilon_high (not 1 + epsilon_high): set it above 1 "
+             f"(ScaleRL: 5.0), got {cfg.epsilon_high}")
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        need(getattr(cfg, name) > 0.0, f"{name}: must be > 0, got {getattr(cfg, name)}")
+    thr = cfg.off_policy_mask_threshold
+    need(thr is None or thr > 0.0, f"off_policy_mask_threshold: must be > 0 (a mean KL), got {thr}")
+    need(cfg.entropy_coef >= 0.0, f"entropy_coef: must be >= 0 (a bonus), got {cfg.entropy_coef}")

@@ -45,6 +45,23 @@ MUTABLE_FIELDS = {"max_steps", "logging_steps", "report_to_tensorboard", "disabl
                   "hf_generation_gather"}
 
 
+def as_today(saved: dict) -> dict:
+    """A checkpoint's config in today's fields: a field added since it was written takes the value that gives the
+    behaviour the checkpoint was trained with (its default, where that changes nothing)."""
+    saved = dict(saved)
+    if "vllm_importance_sampling_correction" not in saved:  # before TRL's fields: only vllm_tis_cap corrected
+        cap = saved.pop("vllm_tis_cap", None)
+        if cap is not None:
+            saved.update(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+                         vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=cap)
+        elif saved.get("generation_backend") == "vllm":
+            saved["vllm_importance_sampling_correction"] = False
+    if "use_bias_correction_kl" not in saved and saved.get("beta", 0.0) > 0.0:
+        saved["use_bias_correction_kl"] = False
+    default = Config().to_dict()
+    return {**{k: v for k, v in default.items() if k not in saved}, **saved}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message says why."""
 
@@ -364,10 +381,7 @@ class Checkpointer:
     def check_config(self, folder: Path) -> None:
         """Refuse a resume whose config or world size would make it a different run."""
         meta = json.loads((folder / "meta.json").read_text())
-        saved, now = meta["config"], self.cfg.to_dict()
-        # a field added since the checkpoint was written, left at its default, changes nothing
-        default = Config().to_dict()
-        saved = {**{k: v for k, v in default.items() if k not in saved}, **saved}
+        saved, now = as_today(meta["config"]), self.cfg.to_dict()
         diffs = [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
                  if k not in MUTABLE_FIELDS and saved.get(k) != now.get(k)]
         if meta["world_size"] != self.world:

@@ -1,0 +1,210 @@
+"""Every policy-loss option TRL 1.16 has and this recipe takes equals TRL's own `GRPOTrainer._compute_loss` on the
+same tensors (policy, old, sampling and reference log-probs, entropies, advantages, masks): the loss and its
+gradient with respect to the log-probs and the entropies. One micro-batch is one optimizer step on one rank, where
+TRL's per-micro-batch normalizers and the recipe's per-step ones coincide (tests/test_update.py: the recipe's
+update does not depend on the split)."""
+import math
+import os
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_recipe.algo.loss import LossSpec, loss_normalizers, policy_loss, sampler_is_weights
+
+trl = pytest.importorskip("trl", reason="trl not installed (bash launch/setup_venv.sh test,bench-trl)") \
+    if not os.environ.get("GRPO_REQUIRE_TRL") else __import__("trl")
+from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+
+B, T, L = 6, 7, 9  # sequences, completion tokens, max_completion_length
+
+
+class Accelerator:
+    """One process: what _compute_loss asks of accelerate."""
+    num_processes = 1
+    sync_gradients = True
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+
+def tensors(seed=0, drift=0.3):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, T)
+    for i, n in enumerate([7, 5, 3, 7, 1, 6]):
+        mask[i, n:] = 0
+    old = torch.randn(B, T, generator=g) * 0.5 - 2.0
+    logp = old + torch.randn(B, T, generator=g) * drift  # the policy has moved since sampling
+    sampling = old + torch.randn(B, T, generator=g) * 0.4  # the sampler's own log-probs
+    sampling[1, 2] = float("nan")  # a token the sampler could not score
+    ref = old + torch.randn(B, T, generator=g) * 0.2
+    entropy = torch.rand(B, T, generator=g) * 2.0
+    adv = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.9, -0.2])
+    return dict(mask=mask, old=old, logp=logp, sampling=sampling, ref=ref, entropy=entropy, adv=adv)
+
+
+def trl_ratio(old, sampling, mask, mode, lo, hi):
+    """TRL 1.16's vLLM importance-sampling ratio (`_generate_and_score_completions`), written out."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=lo, max=hi)
+    lo = -math.inf if lo is None else lo
+    hi = math.inf if hi is None else hi
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+def trl_loss(t, opts, logp, entropy, is_ratio=None, with_sampling=False):
+    """TRL's own _compute_loss on these tensors, called on a stand-in for the trainer's state."""
+    spec = dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, importance_sampling_level="token", delta=None,
+                sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, off_policy_mask_threshold=None, beta=0.0,
+                use_bias_correction_kl=True, entropy_coef=0.0) | opts
+    trl_loss_type = {"step_token_mean": "bnpo"}.get(spec["loss_type"], spec["loss_type"])
+    me = SimpleNamespace(
+        loss_type=trl_loss_type, epsilon_low=spec["epsilon"], epsilon_high=spec["epsilon_high"],
+        importance_sampling_level=spec["importance_sampling_level"], beta=spec["beta"],
+        off_policy_mask_threshold=spec["off_policy_mask_threshold"], top_entropy_quantile=1.0,
+        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
+        args=SimpleNamespace(delta=spec["delta"], sapo_temperature_pos=spec["sapo_temperature_pos"],
+                             sapo_temperature_neg=spec["sapo_temperature_neg"],
+                             use_bias_correction_kl=spec["use_bias_correction_kl"], steps_per_generation=1),
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=Accelerator(),
+        max_completion_length=L, aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        _entropy_bonus_enabled=spec["entropy_coef"] != 0.0, entropy_coef=spec["entropy_coef"],
+        use_adaptive_entropy=False, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None))
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": t["mask"],
+              "advantages": t["adv"], "old_per_token_logps": t["old"], "ref_per_token_logps": t["ref"],
+              "num_items_in_batch": t["mask"].sum()}
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
+    if with_sampling:
+        inputs["sampling_per_token_logps"] = t["sampling"]
+    return GRPOTrainer._compute_loss(me, None, inputs)
+
+
+def our_loss(t, opts, logp, entropy, is_weights=None, with_sampling=False):
+    spec = dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28) | opts
+    s = LossSpec(spec["loss_type"], spec["epsilon"], spec["epsilon_high"],
+                 spec.get("importance_sampling_level", "token"), spec.get("delta"),
+                 spec.get("sapo_temperature_pos", 1.0), spec.get("sapo_temperature_neg", 1.05),
+                 spec.get("off_policy_mask_threshold"), spec.get("beta", 0.0),
+                 spec.get("use_bias_correction_kl", True), spec.get("entropy_coef", 0.0))
+    mask = t["mask"]
+    seqs = (mask.sum(-1) > 0).sum().reshape(1, 1)
+    norm = loss_normalizers(s.loss_type, mask.sum().reshape(1, 1), seqs, 1).item()
+    tokens = loss_normalizers("step_token_mean", mask.sum().reshape(1, 1), seqs, 1).item()
+    loss, _ = policy_loss(logp, t["old"], t["adv"], mask, spec=s, normalizer=norm, max_completion_length=L,
+                          ref_logp=t["ref"], is_weights=is_weights,
+                          sampling_logp=t["sampling"] if with_sampling else None, entropy=entropy,
+                          entropy_normalizer=tokens)
+    return loss
+
+
+def grad(x):
+    """x's gradient; zeros where the loss does not depend on x (entropies without a bonus)."""
+    return torch.zeros_like(x) if x.grad is None else x.grad
+
+
+def both(opts, is_mode=None, with_sampling=False, seed=0):
+    """(TRL's loss, its gradients) and (ours, ours) on the same tensors."""
+    t = tensors(seed)
+    out = []
+    for side in ("trl", "ours"):
+        logp = t["logp"].clone().requires_grad_(True)
+        entropy = t["entropy"].clone().requires_grad_(True)
+        if side == "trl":
+            ratio = None if is_mode is None else trl_ratio(t["old"], t["sampling"], t["mask"], *is_mode)
+            loss = trl_loss(t, opts, logp, entropy, ratio, with_sampling)
+        else:
+            weights = None if is_mode is None else sampler_is_weights(t["old"], t["sampling"], t["mask"], *is_mode)[0]
+            loss = our_loss(t, opts, logp, entropy, weights, with_sampling)
+        loss.backward()
+        out.append((loss.detach(), grad(logp) * t["mask"], grad(entropy) * t["mask"]))
+    return out
+
+
+CASES = {
+    "grpo": {"loss_type": "grpo"},
+    "dr_grpo": {"loss_type": "dr_grpo"},
+    "dapo": {},
+    "step_token_mean=bnpo": {"loss_type": "step_token_mean"},
+    "cispo": {"loss_type": "cispo", "epsilon_high": 5.0},
+    "cispo_tight_cap": {"loss_type": "cispo", "epsilon_high": 1.1},
+    "sapo": {"loss_type": "sapo"},
+    "sapo_temperatures": {"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0},
+    "grpo_sequence": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+    "sapo_sequence": {"loss_type": "sapo", "importance_sampling_level": "sequence"},
+    "dapo_delta": {"delta": 1.3},
+    "grpo_delta": {"loss_type": "grpo", "delta": 1.25},
+    "dapo_entropy_bonus": {"entropy_coef": 0.03},
+    "grpo_entropy_bonus": {"loss_type": "grpo", "entropy_coef": 0.1},
+    "dapo_kl_bias_corrected": {"beta": 0.04, "use_bias_correction_kl": True},
+    "dapo_kl_plain": {"beta": 0.04, "use_bias_correction_kl": False},
+    "grpo_sequence_kl_bias_corrected": {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.1},
+    "dapo_off_policy_mask_old": {"off_policy_mask_threshold": 0.05},
+}
+
+
+def check(got, want):
+    (tl, tg, te), (ol, og, oe) = want, got
+    torch.testing.assert_close(ol, tl, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(og, tg, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(oe, te, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("opts", CASES.values(), ids=CASES.keys())
+def test_loss_and_gradient_equal_trls(opts):
+    want, got = both(opts)
+    check(got, want)
+    assert want[1].abs().sum() > 0  # a gradient to compare
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("bounds", [(None, 3.0), (0.5, 1.5)], ids=["trl_default_bounds", "both_bounds"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_vllm_drift_correction_equals_trls(mode, bounds, loss_type):
+    want, got = both({"loss_type": loss_type}, is_mode=(mode, *bounds))
+    check(got, want)
+
+
+def test_the_correction_modes_differ_from_each_other_and_from_none():
+    """Each mode must do something on these tensors, or its equality with TRL would prove nothing."""
+    losses = {mode: both({}, is_mode=(mode, 0.5, 1.5))[1][0].item()
+              for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")}
+    losses["none"] = both({})[1][0].item()
+    assert len({round(v, 6) for v in losses.values()}) == len(losses), losses
+
+
+def test_off_policy_mask_with_sampler_log_probs_equals_trls():
+    want, got = both({"off_policy_mask_threshold": 0.05}, is_mode=("sequence_mask", None, 3.0), with_sampling=True)
+    check(got, want)
+    plain = both({}, is_mode=("sequence_mask", None, 3.0), with_sampling=True)[1][0]
+    assert not torch.isclose(plain, got[0]), "the mask dropped nothing on these tensors"
+
+
+@pytest.mark.parametrize("opts", [CASES["sapo"], CASES["cispo"], CASES["grpo_sequence"]], ids=["sapo", "cispo", "seq"])
+def test_on_policy_step_equals_trls(opts):
+    """At mu = 1 the old log-probs are the forward's own (TRL: old_per_token_logps None)."""
+    t = tensors(3)
+    t["old"] = t["logp"].clone()
+    out = []
+    for side in ("trl", "ours"):
+        logp = t["logp"].clone().requires_grad_(True)
+        entropy = t["entropy"].clone().requires_grad_(True)
+        if side == "trl":
+            loss = trl_loss({**t, "old": logp.detach()}, opts, logp, entropy)
+        else:
+            loss = our_loss({**t, "old": logp.detach()}, opts, logp, entropy)
+        loss.backward()
+        out.append((loss.detach(), grad(logp) * t["mask"], grad(entropy) * t["mask"]))
+    check(out[1], out[0])
