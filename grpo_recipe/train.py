@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -303,6 +304,29 @@ def say_error(line: str) -> None:
     sys.stderr.flush()
 
 
+def save_final(run: Run, final: Path) -> bool:
+    """Write OUTPUT_DIR/final; if the write fails (a disk filled by something else meanwhile), every rank says
+    so in one line, the partial folder is removed, and the line names what still holds the run."""
+    error = None
+    try:
+        save_hf_model(run.engine, run.tokenizer, final, run.rank, save_merged=run.cfg.save_merged)
+    except Exception as e:  # noqa: BLE001 -- disk full, permissions, a filesystem gone: all end the same way
+        error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    failed = first_error(error)
+    if failed is None:
+        return True
+    if run.rank == 0:
+        for tmp in (final.with_name("final.tmp"), final.with_name("final-merged.tmp")):
+            shutil.rmtree(tmp, ignore_errors=True)
+    kept = run.checkpointer.kept_note()
+    recover = (f"{kept}: free space, then rerun with --resume_from_checkpoint auto, which writes the final model "
+               f"without training further" if kept.startswith("kept") else
+               "no checkpoint holds this run (save_steps: 0 keeps none), so it cannot be resumed")
+    say_error(f"error (rank {run.rank}): the final model could not be written to {final} ({failed[1]}, on rank "
+              f"{failed[0]}); removed the partial folder; {recover}")
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
@@ -331,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         say_error(f"error (rank {run.rank}): {e}")
         return 1
     final = Path(cfg.output_dir) / "final"
-    if not preempted:
-        save_hf_model(run.engine, run.tokenizer, final, run.rank, save_merged=cfg.save_merged)
+    if not preempted and not save_final(run, final):
+        return 1
     if run.rank == 0:
         if preempted:
             print(f"stopped by a signal at step {state.step}; checkpoint saved, "

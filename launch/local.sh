@@ -5,10 +5,12 @@
 # The ranks are started and owned by launch/node.py: their exit code comes back unchanged (0 done, 2 config
 # error, 75 checkpointed on a signal, 1 failed), SIGTERM/SIGUSR1/Ctrl-C reach them (checkpoint, exit 75), no
 # rank outlives this script, and the rendezvous listens on loopback only.
+# Relative paths (--config, --output_dir, dataset files) are the caller's, as with any command; the shipped
+# configs and data are also found from the repository.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY="${VENV_PY:-.venv/bin/python}"
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+PY="${VENV_PY:-$REPO/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 export NPROC_PER_NODE="${NPROC:-${NPROC_PER_NODE:-}}" NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 LAUNCHER_NAME=local.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per rank: 2 threads per rank ran ~10x slower here
-exec "$PY" launch/node.py "$@"
+exec "$PY" "$REPO/launch/node.py" "$@"

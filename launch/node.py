@@ -66,9 +66,11 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
                TORCHELASTIC_USE_AGENT_STORE="True")  # the ranks join this store instead of hosting one
     # USR1 ignored until a rank installs its handler (inherited across exec): an early warning must not kill it
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # the ranks work in the caller's folder (its relative paths are the user's) and import the package from here
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     procs = {}
     for i in range(nproc):
-        p = subprocess.Popen([sys.executable, "-m", "grpo_recipe.train", *args], cwd=REPO,
+        p = subprocess.Popen([sys.executable, "-m", "grpo_recipe.train", *args],
                              env={**env, "RANK": str(node * nproc + i), "LOCAL_RANK": str(i)},
                              start_new_session=own_session, preexec_fn=_die_with_parent)
         procs[p.pid] = (node * nproc + i, p)

@@ -175,6 +175,12 @@ def checkpoints_intact(out: Path, steps: list[int]) -> None:
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")][:len(steps)] == steps
 
 
+def final_left_out(out: Path, steps: int) -> None:
+    """No partial final model is left, and the run's log is whole."""
+    assert not any((out / name).exists() for name in ("final", "final.tmp"))
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, steps + 1))
+
+
 @dataclass
 class Case:
     name: str
@@ -230,6 +236,8 @@ CASES = [
                                                             "--save_total_limit", "2"], 0,
          ["warning: output_dir", "has 8.0 MiB free, less than the save_total_limit + 1 = 3 checkpoints a save may need"],
          disk="size=8m", ranks=1, after=lambda out: checkpoints_intact(out, [1])),
+    Case("disk_too_small_for_the_final_model", ["--save_steps", "0"], 2,
+         ["config error: output_dir:", "has 1.0 MiB free, too little for the final model"], disk="size=1m"),
     Case("deepspeed_config_not_json", ["--deepspeed_config", "{ws}/ds.json"], 2,
          ["config error: deepspeed_config:", "ds.json is not valid JSON: line 3, column 3"],
          files={"ds.json": '{\n  "zero_optimization": {"stage": 3},\n  }\n'}),
@@ -266,6 +274,11 @@ CASES = [
          ["checkpoint", ".tmp-step-00000002 could not be written: the disk is full (no free inodes)",
           "removed it, kept step-00000001", "save_total_limit 0 keeps every one"], ranks=2,
          disk="size=64m,nr_inodes=200", after=lambda out: checkpoints_intact(out, [1])),
+    Case("disk_fills_before_the_final_save", ["--max_steps", "2", "--num_iterations", "1", "--save_steps", "0",
+                                               "--reward_funcs", fill(2, 64 << 10)], 1,
+         ["error (rank 0): the final model could not be written to", "removed the partial folder",
+          "no checkpoint holds this run (save_steps: 0 keeps none)"], ranks=1, disk="size=24m",
+         after=lambda out: final_left_out(out, 2)),
     Case("reward_overflows_float32", ["--reward_funcs", "[tests.reward_fixtures:huge]"], 1,
          ["reward error (rank 0): reward 'huge' returned 1e+308 at sample 1, which overflows float32"], ranks=1),
     Case("loss_not_finite", ["--max_steps", "4", "--num_iterations", "4", "--learning_rate", "1e30",

@@ -117,3 +117,17 @@ def test_a_stopped_rank_ends_the_job_within_the_collective_timeout(tmp_path, sto
            f"{timeout_s} s: rank {stopped} stopped answering" in err, err[-3000:]
     assert f"local.sh: rank {1 - stopped} exited with 1; stopping ranks [{stopped}]" in err
     assert not [r for r, pid in ranks.items() if alive(pid)], "a rank outlived the launcher"
+
+
+@pytest.mark.slow
+def test_relative_paths_are_the_callers(tmp_path):
+    """Issue #41.6: `--config my.yaml` in the caller's folder was "not found" and `--output_dir myout` wrote into
+    the checkout. Both are the caller's now; a shipped config's own paths (model, data, ds_configs) still resolve."""
+    (tmp_path / "my.yaml").write_text((REPO / "grpo_recipe/configs/quickstart.yaml").read_text())
+    proc = subprocess.run(["bash", str(REPO / "launch/local.sh"), "--config", "my.yaml", *SHORT[2:],
+                           "--max_steps", "2", "--output_dir", "myout"], cwd=tmp_path,
+                          env=rank_env(VENV_PY=sys.executable), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(tmp_path / "myout" / "metrics.jsonl")] == [1, 2]
+    assert not (REPO / "myout").exists()
+    assert "metrics: myout/metrics.jsonl" in proc.stdout

@@ -1,6 +1,7 @@
 """The output folder: another run's outputs are refused unless resumed or overwritten, one run at a time holds
 it, and resuming and pruning follow this run's lineage (real runs of grpo_recipe.train, real files and locks)."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,3 +180,33 @@ def test_overwrite_and_resume_together_are_a_config_error():
                           env=rank_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "overwrite_output_dir: cannot be combined with resume_from_checkpoint" in proc.stderr
     assert Config().overwrite_output_dir is False
+
+
+def test_a_damaged_metrics_log_and_run_record_do_not_block_resuming(tmp_path):
+    """Issue #41.4: a torn last line and trailing NUL bytes (power loss) in metrics.jsonl, and a run.json of NUL
+    bytes, once made every resume fail after the model loaded. Now they are set aside, named, and the run goes on
+    from its intact checkpoint."""
+    out = tmp_path / "out"
+    run(out, "--max_steps", "4")
+    with (out / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"step": 5, "loss": 0.1' + b"\x00" * 64)
+    (out / "run.json").write_bytes(b"\x00" * 40)
+    proc = run(out, "--resume_from_checkpoint", "auto", "--max_steps", "6")
+    assert "resumed from" in proc.stderr and "step-00000004 at step 4" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert steps(out) == [1, 2, 3, 4, 5, 6]
+    (damaged_log,) = out.glob("metrics.jsonl.damaged-*")
+    (damaged_record,) = out.glob("run.json.damaged-*")
+    assert damaged_log.read_bytes().endswith(b"\x00" * 64) and damaged_record.read_bytes() == b"\x00" * 40
+    assert f"the original is {damaged_log}" in proc.stderr and f"set aside as {damaged_record}" in proc.stderr
+
+
+def test_resuming_a_finished_run_whose_final_save_failed_writes_it_without_training(tmp_path):
+    """What the error of a failed final save advises (issue #41.3): the last checkpoint, resumed, gives the final
+    model with no further step."""
+    out = tmp_path / "out"
+    run(out, "--max_steps", "4")
+    shutil.rmtree(out / "final")
+    proc = run(out, "--resume_from_checkpoint", "auto", "--max_steps", "4")
+    assert "step-00000004 at step 4" in proc.stderr and (out / "final" / "config.json").exists(), proc.stderr[-2000:]
+    assert steps(out) == [1, 2, 3, 4]

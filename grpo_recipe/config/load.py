@@ -10,7 +10,6 @@ import difflib
 import os
 import sys
 import typing
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -196,7 +195,7 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     config_path, overrides = parse_cli(sys.argv[1:] if argv is None else argv)
     values: dict[str, Any] = {}
     if config_path is not None:
-        path = Path(config_path)
+        path = resolve_path(config_path)  # the caller's folder first, then the repository (shipped configs)
         if not path.is_file():
             new = renamed(config_path)
             hint = f" (the package `recipe` is now `grpo_recipe`: {new})" if new else ""

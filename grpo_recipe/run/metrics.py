@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -33,9 +35,10 @@ class MetricsLogger:
 
     @staticmethod
     def _reopen(path: Path, initial_step: int):
-        """Open a JSONL file for appending; resumed (initial_step > 0): drop the lines of steps after it."""
+        """Open a JSONL file for appending; resumed (initial_step > 0): drop the lines of steps after it, and
+        set aside a damaged file (see `repair_jsonl`) rather than stop the resume."""
         if initial_step > 0 and path.exists():
-            kept = [r for r in read_jsonl(path) if r["step"] <= initial_step]
+            kept = [r for r in repair_jsonl(path) if r["step"] <= initial_step]
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             return path.open("a")
         return path.open("w")
@@ -91,6 +94,34 @@ def read_jsonl(path: Path) -> list[dict]:
         return []
     lines = path.read_text().split("\n")[:-1]  # the part after the last newline is not a complete line
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def repair_jsonl(path: Path) -> list[dict]:
+    """The readable records of a JSON-lines file the run wrote and reads back on resume. Lines that do not parse
+    as a record with a step (a torn write, NUL bytes after a power loss) are dropped; the file as it was is kept
+    beside it (PATH.damaged-TIME) and one warning names both. The checkpoint, not this log, holds the run."""
+    raw = path.read_bytes()
+    records, bad = [], 0
+    for line in raw.split(b"\n"):
+        line = line.strip(b"\x00 \r\t")
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            bad += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        else:
+            bad += 1
+    if bad or raw.replace(b"\x00", b"") != raw:
+        kept = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        kept.write_bytes(raw)
+        print(f"warning: {path} was damaged ({bad} unreadable line{'s' * (bad != 1)}, "
+              f"{raw.count(bytes(1))} NUL bytes): kept {len(records)} records, the original is {kept}",
+              file=sys.stderr)
+    return records
 
 
 def reward_quarters(records: list[dict]) -> tuple[float, float]:

@@ -146,16 +146,23 @@ def remove_recorded(folder: Path, record: dict) -> list[str]:
 
 
 def read_record(folder: Path) -> dict | None:
-    """run.json, or None when there is none (no run of this recipe wrote into the folder)."""
+    """run.json, or None when there is none (no run of this recipe wrote into the folder). A damaged one (a torn
+    write, NUL bytes) is set aside as run.json.damaged-TIME and counts as none: resuming then considers every
+    complete checkpoint in the folder, and nothing is removed on its authority."""
+    path = folder / RECORD_NAME
     try:
-        record = json.loads((folder / RECORD_NAME).read_text())
-        record["lineage"]  # noqa: B018 -- a run.json without a lineage is not ours
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not isinstance(record.get("lineage"), list):
+            raise ValueError("no lineage")
         return record
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise OutputDirError(f"{folder / RECORD_NAME} is unreadable ({e}); pass --overwrite_output_dir true to "
-                             f"start over or choose another output_dir") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        kept = folder / f"{RECORD_NAME}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(path, kept)
+        print(f"warning: {path} was unreadable ({' '.join(str(e).split())[:120]}); set aside as {kept}: the "
+              f"checkpoints in {folder} are intact, and resuming considers every complete one", file=sys.stderr)
+        return None
 
 
 def read_lineage(folder: Path) -> list[dict] | None:

@@ -93,18 +93,24 @@ def check_output_dir(output_dir: str) -> None:
 
 
 def check_disk_space(cfg: Config, folder: Path | None, ds: dict) -> None:
-    """A disk that cannot hold one checkpoint would fail at the first save, hours in: refuse it now, and warn
-    when it cannot hold the save_total_limit + 1 that a save needs. Sizes from the weights' headers; a model
-    still to be downloaded is checked at its first save."""
-    params = weight_count(folder) if folder is not None and cfg.save_steps > 0 else 0
+    """A disk that cannot hold one checkpoint, or the final model, would fail at the first save or at the very
+    end, hours in: refuse it now, and warn when it cannot hold the save_total_limit + 1 that a save needs. Sizes
+    from the weights' headers; a model still to be downloaded is checked at its first save."""
+    params = weight_count(folder) if folder is not None else 0
     if not params:
+        return
+    free, _ = free_space(Path(cfg.output_dir).expanduser())
+    # the final model: the weights as trained (fp32 here), or with LoRA the adapter (small) and a merged copy
+    final = 4 * params * (cfg.save_merged if cfg.use_peft else 1)
+    need(free >= final, f"output_dir: {cfg.output_dir} has {mib(free)} free, too little for the final model "
+                        f"(about {mib(final)}): free space or choose another output_dir")
+    if cfg.save_steps == 0:
         return
     adam = "adam" in str(ds.get("optimizer", {}).get("type", "")).lower()
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     partitioned = isinstance(stage, int) and stage >= 2
     # with LoRA the adapter is small, the frozen base (fp32) is what ZeRO-2/3 checkpoints hold
     needed = min_checkpoint_bytes(0 if cfg.use_peft else params, 4 * params if cfg.use_peft else 0, adam, partitioned)
-    free, _ = free_space(Path(cfg.output_dir).expanduser())
     limit = cfg.save_total_limit
     need(free >= needed, f"output_dir: {cfg.output_dir} has {mib(free)} free, too little for one checkpoint "
                          f"({space_note(limit, needed)}): free space or choose another output_dir")
