@@ -6,7 +6,11 @@ Works as a plain process (a world of one), under torchrun, and under the deepspe
 """
 from __future__ import annotations
 
-import os
+from grpo_recipe.dist import signals
+
+signals.catch()  # before the heavy imports: a preemption during start-up is acted on, not lost
+
+import os  # noqa: E402
 import random
 import re
 import shutil
@@ -95,6 +99,10 @@ class LoopState:
         return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state} | {"buffer": buffer})
 
 
+class StoppedAtStartup(Exception):
+    """A stop signal arrived before the run had anything to save."""
+
+
 def setup(cfg: Config) -> tuple[Run, LoopState]:
     """Build every component from the config, cheapest and most likely to fail first; the loop's starting state."""
     # the data first, every prompt checked: bad data costs one line before any process group or model
@@ -112,6 +120,8 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     for prompts, name in checked:
         check_prompts(prompts, cfg, uses_chat_template(tokenizer, cfg), name)
         check_answer_columns(rewards, prompts.column_names)
+    if signals.pending():  # before the process group and the output folder: nothing is touched yet
+        raise StoppedAtStartup(f"stopped by {signals.pending()} during start-up, before anything was written")
     rank, world = init_distributed(cfg.collective_timeout_s)
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
@@ -259,9 +269,12 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
     reuse = ReuseController(cfg)
     if state.reuse is not None:
         reuse.load_state_dict(state.reuse)
+    records, last, last_cpu = [], time.perf_counter(), time.process_time()
+    if ckpt.stop_requested():  # a signal during start-up: nothing trained since the checkpoint resumed from
+        logger.close()
+        return records, True
     if state.step == 0 and cfg.eval_on_start and run.evaluator is not None:
         logger.log({"step": 0, **run.evaluator.run(0)})
-    records, last, last_cpu = [], time.perf_counter(), time.process_time()
     while state.step < cfg.max_steps:
         if state.buffer is None:  # generate, score, advantages
             state.buffer, state.stats, state.samples = collect_rollout(run, state.rollout, timer)
@@ -340,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run, state = setup(cfg)
+    except StoppedAtStartup as e:
+        say_error(f"{e}; exit {PREEMPTED_EXIT_CODE}: rerun to start")
+        return PREEMPTED_EXIT_CODE
     except ConfigError as e:
         say_error(f"config error: {e}")
         return 2
@@ -359,8 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if run.rank == 0:
         if preempted:
-            print(f"stopped by a signal at step {state.step}; checkpoint saved, "
-                  f"exit {PREEMPTED_EXIT_CODE}; rerun with --resume_from_checkpoint auto to continue", file=sys.stderr)
+            saved = "checkpoint saved" if records else "nothing new to save (stopped during start-up)"
+            again = "rerun with --resume_from_checkpoint auto to continue" if state.step else "rerun to start"
+            print(f"stopped by {signals.pending() or 'a signal'} at step {state.step}; {saved}, "
+                  f"exit {PREEMPTED_EXIT_CODE}; {again}", file=sys.stderr)
         else:
             first, last = reward_quarters(read_jsonl(Path(cfg.output_dir) / "metrics.jsonl") or records)
             print(f"reward_mean: first quarter {first:.3f} -> last quarter {last:.3f}")

@@ -8,6 +8,7 @@
 # Relative paths (--config, --output_dir, dataset files) are the caller's, as with any command; the shipped
 # configs and data are also found from the repository.
 set -euo pipefail
+trap '' USR1 TERM  # until launch/node.py records them (ignored, not fatal, in this brief shell)
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${VENV_PY:-$REPO/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3

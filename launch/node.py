@@ -18,12 +18,18 @@ dies on SIGUSR1 leaving the ranks training, and its store listens on every inter
 """
 from __future__ import annotations
 
-import ctypes
-import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
+
+_early: list[int] = []  # stop signals that arrive before the ranks exist: forwarded once they do
+for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    signal.signal(_sig, lambda signum, frame: _early.append(signum))
+
+import ctypes  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -31,6 +37,7 @@ sys.path.insert(0, str(REPO))
 from grpo_recipe.dist.env import PREEMPTED_EXIT_CODE as REQUEUE  # noqa: E402  (75: checkpointed on a signal, rerun me)
 
 PR_SET_PDEATHSIG = 1
+RESEND_S = 2.0  # how often a stop signal is sent again to ranks that have not ended
 
 
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
@@ -64,8 +71,10 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
         env["MASTER_PORT"] = str(sock.getsockname()[1])
     env.update(WORLD_SIZE=str(nnodes * nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
                TORCHELASTIC_USE_AGENT_STORE="True")  # the ranks join this store instead of hosting one
-    # USR1 ignored until a rank installs its handler (inherited across exec): an early warning must not kill it
+    # USR1 and TERM ignored until a rank records them itself (grpo_recipe/dist/signals.py, its first line; the
+    # ignoring is inherited across exec): one arriving earlier is sent again (RESEND_S), never fatal
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # the ranks work in the caller's folder (its relative paths are the user's) and import the package from here
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     procs = {}
@@ -77,6 +86,15 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
     # served only now: the store's thread must not exist while forking (ranks wait in the socket's backlog)
     store = host_store(sock, nnodes * nproc, 600.0) if sock is not None else None
     interrupts = 0
+    resend, stopped = threading.Event(), threading.Event()
+
+    def send(sig):
+        for _, p in list(procs.values()):
+            if p.returncode is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
 
     def forward(signum, frame):
         nonlocal interrupts
@@ -86,12 +104,22 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
             sig = signal.SIGTERM if interrupts == 1 else signal.SIGKILL
         log(f"got {signal.Signals(signum).name}: {'killing' if sig == signal.SIGKILL else 'forwarding it to'} "
             f"the ranks{'' if sig == signal.SIGKILL else ' (they checkpoint and exit 75)'}")
-        for _, p in procs.values():
-            if p.poll() is None:
-                p.send_signal(sig)
+        send(sig)
+        if sig != signal.SIGKILL and not resend.is_set():
+            # a rank still starting its interpreter ignores the signal (USR1) or has no handler yet: send it
+            # again until every rank has ended; a rank records it once and acts at its next safe point
+            resend.set()
+
+            def again():
+                while not stopped.wait(RESEND_S):
+                    send(sig)
+
+            threading.Thread(target=again, daemon=True).start()
 
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, forward)
+    for signum in _early:  # arrived while this launcher was starting
+        forward(signum, None)
     codes = []
     while procs:
         pid, code = _next_exit(procs)
@@ -106,6 +134,7 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
             log(f"rank {rank} exited with {code}; stopping ranks {sorted(r for r, _ in procs.values())}")
             for _, p in procs.values():
                 p.kill()
+    stopped.set()
     del store
     return exit_code(codes)
 

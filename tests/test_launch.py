@@ -131,3 +131,22 @@ def test_relative_paths_are_the_callers(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "myout" / "metrics.jsonl")] == [1, 2]
     assert not (REPO / "myout").exists()
     assert "metrics: myout/metrics.jsonl" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("after_s", [0.3, 4.0], ids=["interpreter_start", "setup"])
+def test_a_signal_during_start_up_ends_in_exit_75_with_nothing_lost(tmp_path, sig, after_s):
+    """Issue #41.5: SIGUSR1 4 s after launch once trained every step and exited 0; SIGTERM gave 143, which the
+    sbatch script does not requeue. Now the run stops at its next safe point, saying there was nothing new to
+    save, exits 75, and leaves no rank."""
+    out = tmp_path / "out"
+    proc = local_sh("--max_steps", "50", "--output_dir", str(out))
+    time.sleep(after_s)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 75, err[-3000:]
+    assert "Traceback" not in err
+    assert f"stopped by {sig.name}" in err and ("during start-up" in err), err[-3000:]
+    assert not descendants(proc.pid)
+    assert len(read_jsonl(out / "metrics.jsonl")) <= 1  # stopped at start-up, not after training on

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import sys
 import zlib
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from grpo_recipe.algo.schedule import depends_on_max_steps
 from grpo_recipe.config.schema import Config
+from grpo_recipe.dist import signals
 from grpo_recipe.dist.group import first_error
 from grpo_recipe.run.outdir import in_lineage
 
@@ -158,7 +158,6 @@ class Checkpointer:
     def __init__(self, cfg: Config, rank: int, world_size: int):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.root = Path(cfg.output_dir) / "checkpoints"
-        self._signal = None
         # this run's segment and lineage (set from the output folder's claim); None: every checkpoint counts
         self.run_id: str | None = None
         self.lineage: list[dict] | None = None
@@ -166,15 +165,12 @@ class Checkpointer:
 
     # --- preemption ---------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
-        def handler(signum, frame):
-            self._signal = signal.Signals(signum).name
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, handler)
+        """Stop signals recorded again (a library started during setup may have installed its own handlers)."""
+        signals.catch()
 
     def stop_requested(self) -> bool:
         """True on every rank once any rank got SIGTERM/SIGUSR1 (ranks may see the signal at different steps)."""
-        flag = torch.tensor([1.0 if self._signal else 0.0])
+        flag = torch.tensor([1.0 if signals.pending() else 0.0])
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
