@@ -42,7 +42,14 @@ from grpo_recipe.model import engine as eng
 from grpo_recipe.model.load import load_model, load_tokenizer
 from grpo_recipe.model.save import save_hf_model
 from grpo_recipe.model.source import model_path
-from grpo_recipe.rewards.funcs import RewardError, RewardFunc, check_answer_columns, load_reward_funcs, score
+from grpo_recipe.rewards.funcs import (
+    RewardError,
+    RewardFunc,
+    RewardStopped,
+    check_answer_columns,
+    load_reward_funcs,
+    score,
+)
 from grpo_recipe.run import outdir
 from grpo_recipe.run.checkpoint import Checkpointer, CheckpointError
 from grpo_recipe.run.evaluation import Evaluator
@@ -207,21 +214,26 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     rank 0's completion samples when log_completions_steps asks for them."""
     cfg, G = run.cfg, run.cfg.num_generations
     batch = run.stream.batch(rollout)
+    liveness.set_phase(f"rollout {rollout}: generation")
     with timer("generate"):
         comp = generate(run, batch.prompt_ids, rollout)
     # a bad reward on any rank stops every rank with that rank's message
     rows, error = batch.repeat(G), None
     with timer("score"):
         try:
-            rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids)
+            rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids,
+                                      timeout_s=cfg.reward_timeout_s or None, where=f"rollout {rollout}: ")
         except RewardError as e:
             error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in run.rewards}
+    liveness.set_phase(f"rollout {rollout}: reward statistics (all ranks)")
     zero_std = zero_std_groups(rewards, G)
     stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, sum(map(len, rows.prompt_ids)),
                           error is not None, zero_std)
-    if stats.pop("failed_ranks"):  # every rank names the function that failed, wherever it ran
+    if stats.pop("failed_ranks"):  # every rank names the function that failed (or was stopped), wherever it ran
         failed_rank, message = first_error(None if error is None else str(error))
-        raise RewardError(message if failed_rank == run.rank else f"{message} (on rank {failed_rank})")
+        message = message if failed_rank == run.rank else f"{message} (on rank {failed_rank})"
+        raise (RewardStopped if message.startswith("stopped by") else RewardError)(message)
+    liveness.set_phase(f"rollout {rollout}: training (all ranks)")
     # every group lives on this rank; scale_rewards: batch divides by the std over all ranks (as TRL does)
     advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std=stats["reward_std"])
     mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
@@ -252,7 +264,10 @@ def report(run: Run, state: LoopState, logger: MetricsLogger, record: dict) -> N
     cfg, step = run.cfg, state.step
     evaluated = run.evaluator is not None and run.evaluator.due(step)
     if evaluated:
-        record.update(run.evaluator.run(step))
+        try:
+            record.update(run.evaluator.run(step))
+        except RewardStopped:  # a stop signal cut it short: the step's line without it; the loop checkpoints
+            pass
     if step % cfg.logging_steps == 0 or step == cfg.max_steps or evaluated:
         logger.log(record)
     if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
@@ -277,7 +292,16 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
         logger.log({"step": 0, **run.evaluator.run(0)})
     while state.step < cfg.max_steps:
         if state.buffer is None:  # generate, score, advantages
-            state.buffer, state.stats, state.samples = collect_rollout(run, state.rollout, timer)
+            try:
+                state.buffer, state.stats, state.samples = collect_rollout(run, state.rollout, timer)
+            except RewardStopped as e:  # a stop signal cut a reward short on some rank: the last step is safe
+                if state.step != (ckpt.saved_step or 0):
+                    ckpt.save(run.engine, state.step, state.state_dict())
+                logger.close()
+                if run.rank == 0:
+                    print(f"note: {e}; the rollout it scored is dropped (resuming generates it again)",
+                          file=sys.stderr)
+                return records, True
             state.prompts_truncated += state.stats.pop("prompts_truncated")
         for done in train_on_rollout(run.engine, run.ref, state.buffer, cfg, after=state.position, timer=timer):
             state.step += 1
@@ -376,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     if run.rank == 0:
         if preempted:
             saved = "checkpoint saved" if records else "nothing new to save (stopped during start-up)"
+            if run.checkpointer.saved_step == state.step and state.step and not records:
+                saved = "nothing new to save since the checkpoint it resumed from"
             again = "rerun with --resume_from_checkpoint auto to continue" if state.step else "rerun to start"
             print(f"stopped by {signals.pending() or 'a signal'} at step {state.step}; {saved}, "
                   f"exit {PREEMPTED_EXIT_CODE}; {again}", file=sys.stderr)

@@ -113,3 +113,19 @@ def fill_disk(prompts, completions, path: str = "", at_call: int = 2, leave: int
             with open(os.path.join(path, "ballast"), "wb") as f:
                 os.posix_fallocate(f.fileno(), 0, max(st.f_bavail * st.f_frsize - leave, 1))
     return [0.0] * len(completions)
+
+
+_hang_calls = [0]
+
+
+def hangs(prompts, completions, ranks: str = "all", at_call: int = 1, **kw):
+    """A reward that, from its `at_call`-th call on, sleeps forever on `ranks` ("all" or one rank number): user
+    code that hangs. Elsewhere a zero reward."""
+    import os
+    import time
+
+    _hang_calls[0] += 1
+    if _hang_calls[0] >= at_call and (ranks == "all" or str(ranks) == os.environ.get("RANK", "0")):
+        while True:
+            time.sleep(3600)
+    return [0.0] * len(completions)

@@ -150,3 +150,65 @@ def test_a_signal_during_start_up_ends_in_exit_75_with_nothing_lost(tmp_path, si
     assert f"stopped by {sig.name}" in err and ("during start-up" in err), err[-3000:]
     assert not descendants(proc.pid)
     assert len(read_jsonl(out / "metrics.jsonl")) <= 1  # stopped at start-up, not after training on
+
+
+def hang(ranks, at_call=1):
+    return ["--reward_funcs", f"[length, {{func: 'tests.reward_fixtures:hangs', weight: 0, kwargs: "
+                              f"{{ranks: '{ranks}', at_call: {at_call}}}}}]"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", ["all", "1"], ids=["every_rank", "rank_1"])
+def test_a_reward_that_hangs_ends_the_job_within_its_bound_naming_rank_and_function(tmp_path, ranks):
+    """Issue #41.2: a reward sleeping forever on every rank once hung the job for good (632 s and counting); on
+    rank 1 alone it ended after the collective timeout naming no rank, function or phase."""
+    started = time.monotonic()
+    proc = local_sh("--max_steps", "4", "--reward_timeout_s", "5", "--collective_timeout_s", "60",
+                    "--output_dir", str(tmp_path / "out"), *hang(ranks))
+    _, err = proc.communicate(timeout=600)
+    took = time.monotonic() - started
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err
+    line = "reward 'hangs' did not return within 5 s (reward_timeout_s): it hangs or is too slow"
+    assert f"reward error (rank 1): {line}" in err, err[-3000:]
+    rank0 = next(ln for ln in err.splitlines() if ln.startswith("reward error (rank 0): "))
+    assert line in rank0 and rank0.endswith("raise reward_timeout_s" + ("" if ranks == "all" else " (on rank 1)"))
+    assert took < 60, f"the job took {took:.0f} s to end"  # start-up + 5 s, far below the collective timeout
+    assert not descendants(proc.pid)
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_hang_in_user_code_checkpoints_and_exits_75(tmp_path):
+    """The reward hangs on every rank from the third rollout on (no time bound): SIGTERM cuts it short, the
+    steps trained so far are checkpointed, the job exits 75, and the run resumes from there."""
+    out = tmp_path / "out"
+    proc = local_sh("--max_steps", "40", "--num_iterations", "1", "--reward_timeout_s", "0", "--save_steps", "0",
+                    "--output_dir", str(out), *hang("all", at_call=3))
+    while len(read_jsonl(out / "metrics.jsonl")) < 2:
+        time.sleep(0.5)
+    time.sleep(3)  # well inside the hang
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    assert "stopped by SIGTERM while reward 'hangs' ran" in err and "checkpoint saved" in err, err[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == "step-00000002"
+    assert not descendants(proc.pid)
+    again = local_sh("--max_steps", "3", "--num_iterations", "1", "--save_steps", "0", "--output_dir", str(out),
+                     "--resume_from_checkpoint", "auto", *hang("all", at_call=3))  # its calls count from 1 again
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0 and "step-00000002 at step 2" in err, err[-3000:]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_collective_timeout_names_the_stuck_rank_and_what_it_runs(tmp_path):
+    """Unbounded reward (reward_timeout_s 0) hanging on rank 1: rank 0 waits in the reward statistics all-reduce
+    until collective_timeout_s, then names rank 1 and the function it has been in, for how long."""
+    proc = local_sh("--max_steps", "4", "--reward_timeout_s", "0", "--collective_timeout_s", "15",
+                    "--output_dir", str(tmp_path / "out"), *hang("1"))
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, err[-3000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("error (rank 0): a collective failed"))
+    assert "rank 1 in \"rollout 0: reward 'hangs'\" for" in line, line
+    assert "rank 0: rollout 0: reward statistics (all ranks)" in line, line
+    assert not descendants(proc.pid)

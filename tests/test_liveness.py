@@ -47,3 +47,4 @@ def test_run_and_exit_keeps_the_exit_code_and_skips_teardown(tmp_path, body, cod
     assert err in proc.stderr
     assert "TEARDOWN RAN" not in proc.stdout and "after run_and_exit" not in proc.stdout  # nothing after main
     assert proc.stdout == ("done" if body.startswith("print") else "")
+

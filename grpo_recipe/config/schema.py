@@ -105,6 +105,8 @@ class Config:
     reward_funcs: list = opt([{"func": "length", "kwargs": {"target_chars": 60}}],
                              "built-ins (length, accuracy, math_accuracy), module:function, path/file.py:function, "
                              "or mappings {func, weight, kwargs, name}")
+    reward_timeout_s: float = opt(300.0, "the most seconds one reward function call may take on a rank: then the "
+                                          "run stops naming it (a stop signal also cuts it short); 0 = no bound")
     scale_rewards: str = opt("group", "std dividing the centered rewards: group, batch (all ranks) or none")
     # --- GRPO --------------------------------------------------------------------------
     num_iterations: int | str = opt("auto", "mu: optimizer passes over each rollout, or auto: decided after each "
@@ -289,6 +291,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.skip_nonfinite_steps >= 0, f"skip_nonfinite_steps: must be >= 0, got {cfg.skip_nonfinite_steps}")
     need(cfg.learning_rate > 0.0, f"learning_rate: must be > 0, got {cfg.learning_rate}")
     need(cfg.collective_timeout_s > 0, f"collective_timeout_s: must be > 0, got {cfg.collective_timeout_s}")
+    need(cfg.reward_timeout_s >= 0, f"reward_timeout_s: must be >= 0 (0 = no bound), got {cfg.reward_timeout_s}")
     validate_schedule_eval_trackers(cfg)
     need(cfg.max_grad_norm >= 0.0, f"max_grad_norm: must be >= 0, got {cfg.max_grad_norm}")
     need(cfg.generation_backend in ("hf", "vllm"),

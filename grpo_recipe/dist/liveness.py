@@ -4,7 +4,9 @@ that stopped answering, instead of a traceback that says only "Timed out waiting
 Each rank bumps a counter in the rendezvous store from a daemon thread every HEARTBEAT_S seconds; a
 stopped, dead or cut-off rank's counter stands still. The rank that sees a collective fail compares the
 counters over a few beats and names the silent ranks. The store is the launcher's (local.sh, the Slurm
-script, torchrun), so it still answers when rank 0 is the one that stopped.
+script, torchrun), so it still answers when rank 0 is the one that stopped. With the heartbeat each rank also
+publishes what it is doing (`set_phase`: generation, a reward function, training), so a rank that still
+answers but is stuck is named with its phase and how long it has been in it.
 """
 from __future__ import annotations
 
@@ -20,7 +22,15 @@ HEARTBEAT_S = 2.0
 WATCH_BEATS = 3  # a counter that did not move over this many beats belongs to a rank that stopped answering
 FAILED_EXIT_CODE = 1
 _KEY = "grpo/alive/{}"
+_PHASE_KEY = "grpo/phase/{}"
 _run: dict = {}  # rank, world size and timeout of this process's run, once its process group is up
+_phase = {"text": "start-up", "since": time.time()}  # what this rank is doing, published with the heartbeat
+
+
+def set_phase(text: str) -> None:
+    """What this rank does from now on, e.g. "rollout 3: reward 'correctness'" (named if a collective times out);
+    a phase spent in collectives says "(all ranks)": the rank the others wait for is one that is not."""
+    _phase.update(text=text, since=time.time())
 
 
 def _store(timeout_s: float):
@@ -31,14 +41,32 @@ def _store(timeout_s: float):
 
 
 def _beat(rank: int, stop: threading.Event) -> None:
-    store = None
+    store, published = None, None
     while not stop.is_set():
         try:
             store = store or _store(10.0)
             store.add(_KEY.format(rank), 1)
+            phase = (_phase["text"], _phase["since"])
+            if phase != published:
+                store.set(_PHASE_KEY.format(rank), f"{phase[1]:.3f} {phase[0]}")
+                published = phase
         except Exception:  # noqa: BLE001 -- the store may be gone at the end of a run: try again later
-            store = None
+            store, published = None, None
         stop.wait(HEARTBEAT_S)
+
+
+def phases(world: int) -> dict[int, tuple[str, float]] | None:
+    """Each rank's published phase and seconds in it; None when the store cannot be asked."""
+    try:
+        store, now = _store(5.0), time.time()
+        out = {}
+        for r in range(world):
+            if store.check([_PHASE_KEY.format(r)]):
+                since, _, text = store.get(_PHASE_KEY.format(r)).decode().partition(" ")
+                out[r] = (text, now - float(since))
+        return out
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def start(rank: int, world: int, timeout_s: float) -> None:
@@ -82,7 +110,15 @@ def describe(e: BaseException) -> str:
     elif silent:
         who = f"rank {', '.join(map(str, silent))} stopped answering (no heartbeat for {WATCH_BEATS * HEARTBEAT_S:g} s)"
     else:
-        who = "every rank still answers, so one is stuck or slow (raise collective_timeout_s if that is legitimate)"
+        where = phases(world) or {}
+        # the others wait (in a phase marked "(all ranks)", a collective) for a rank doing its own work
+        working = {r: v for r, v in where.items() if "(all ranks)" not in v[0]} or where
+        stuck = max(working.items(), key=lambda kv: kv[1][1]) if working else None
+        doing = "; ".join(f"rank {r}: {t} for {s:.0f} s" for r, (t, s) in sorted(where.items()))
+        who = (f"every rank still answers, so one is stuck or slow: rank {stuck[0]} in {stuck[1][0]!r} for "
+               f"{stuck[1][1]:.0f} s ({doing}); fix what it runs, or raise collective_timeout_s if that is "
+               f"legitimate") if stuck else \
+            "every rank still answers, so one is stuck or slow (raise collective_timeout_s if that is legitimate)"
     first_line = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
     return (f"error (rank {rank}): a collective failed or did not complete within collective_timeout_s = "
             f"{timeout_s:g} s: {who}; ending the run (resume from the last checkpoint) [{first_line}]")

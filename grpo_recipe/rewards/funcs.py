@@ -23,11 +23,16 @@ import torch
 
 from grpo_recipe.config.schema import resolve_path
 from grpo_recipe.data.prompts import RESERVED_COLUMNS  # what the recipe passes itself
+from grpo_recipe.dist import liveness, signals
 from grpo_recipe.rewards.math_answers import answers_match, completion_answer, reference_answer
 
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something unusable."""
+
+
+class RewardStopped(RewardError):
+    """A stop signal cut a reward function short: the run saves and exits 75, it did not fail."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -210,13 +215,18 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return _LOOP
 
 
-def _call_all(funcs: list[RewardFunc], inputs: dict) -> dict[str, Any]:
-    """Each function's raw output. Plain functions run in turn; awaitables (async def) run concurrently."""
+def _call_all(funcs: list[RewardFunc], inputs: dict, timeout_s: float | None = None, where: str = "") -> dict[str, Any]:
+    """Each function's raw output. Plain functions run in turn; awaitables (async def) run concurrently. Each
+    call (the awaitables together) is bounded by `timeout_s` and cut short by a stop signal (dist/signals.py)."""
     outs: dict[str, Any] = {}
     pending: dict[str, Any] = {}
     for f in funcs:
+        liveness.set_phase(f"{where}reward {f.name!r}")
         try:
-            out = f.fn(**{**inputs, **f.kwargs})
+            with signals.bounded(f"reward {f.name!r}", timeout_s):
+                out = f.fn(**{**inputs, **f.kwargs})
+        except signals.Interrupted as e:
+            raise interrupted(e) from None
         except RewardError:
             raise
         except KeyboardInterrupt:
@@ -228,7 +238,14 @@ def _call_all(funcs: list[RewardFunc], inputs: dict) -> dict[str, Any]:
         async def gather():
             return await asyncio.gather(*pending.values(), return_exceptions=True)
 
-        for name, out in zip(pending, _event_loop().run_until_complete(gather())):
+        names = ", ".join(repr(n) for n in pending)
+        liveness.set_phase(f"{where}rewards {names} (async)")
+        try:
+            with signals.bounded(f"rewards {names} (async)", timeout_s):
+                results = _event_loop().run_until_complete(gather())
+        except signals.Interrupted as e:
+            raise interrupted(e) from None
+        for name, out in zip(pending, results):
             if isinstance(out, RewardError):
                 raise out
             if isinstance(out, BaseException):
@@ -237,21 +254,31 @@ def _call_all(funcs: list[RewardFunc], inputs: dict) -> dict[str, Any]:
     return outs
 
 
+def interrupted(e: signals.Interrupted) -> RewardError:
+    """The error a cut-short reward call becomes: a stop (save and exit 75) or a hang (one line, exit 1)."""
+    if e.signal is not None:
+        return RewardStopped(str(e))
+    return RewardError(f"{e} (reward_timeout_s): it hangs or is too slow; fix it, or raise reward_timeout_s")
+
+
 def is_conversational(prompt) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
 def score(funcs: list[RewardFunc], prompts: list, completions: list[str], columns: dict[str, list],
-          completion_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          completion_ids: list[list[int]] | None = None, timeout_s: float | None = None,
+          where: str = "") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total weighted reward per completion, and each function's raw values (NaN where not applicable).
 
     `completions` are texts; for conversational prompts they reach the functions as [assistant message].
+    Each function call is bounded by `timeout_s` (None: unbounded); `where` prefixes the phase a stuck rank
+    is named with (e.g. "rollout 3: ").
     """
     if prompts and is_conversational(prompts[0]):
         completions = [[{"role": "assistant", "content": c}] for c in completions]
     inputs = {**columns, "prompts": prompts, "completions": completions,
               "completion_ids": completion_ids if completion_ids is not None else [[] for _ in completions]}
-    outs = _call_all(funcs, inputs)
+    outs = _call_all(funcs, inputs, timeout_s, where)
     per_func = {f.name: _validate(f.name, outs[f.name], len(completions)) for f in funcs}
     values = torch.stack([f.weight * per_func[f.name] for f in funcs])
     missing = values.isnan().all(dim=0)

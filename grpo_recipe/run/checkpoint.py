@@ -39,7 +39,8 @@ from grpo_recipe.run.outdir import in_lineage
 # tokens; a resumed run may need the other's memory.)
 MUTABLE_FIELDS = {"max_steps", "logging_steps", "report_to_tensorboard", "disable_tqdm", "output_dir",
                   "resume_from_checkpoint", "save_steps", "save_total_limit", "overwrite_output_dir",
-                  "collective_timeout_s", "skip_nonfinite_steps", "report_to", "wandb_project", "run_name",
+                  "collective_timeout_s", "reward_timeout_s", "skip_nonfinite_steps", "report_to", "wandb_project",
+                  "run_name",
                   "eval_dataset_name", "eval_dataset_split", "eval_steps", "eval_on_start", "eval_num_generations",
                   "per_device_eval_batch_size", "log_completions_steps", "num_prompts_to_log",
                   "hf_generation_gather"}
@@ -162,6 +163,7 @@ class Checkpointer:
         self.run_id: str | None = None
         self.lineage: list[dict] | None = None
         self.last_bytes: int | None = None  # size of the last checkpoint written or resumed from
+        self.saved_step: int | None = None  # the step of the last checkpoint written or resumed from
 
     # --- preemption ---------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -204,7 +206,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {tmp} could not be written: {full} ({mib(free)} free; rank "
                                   f"{failure[0]}: {failure[1]}); removed it, {self.kept_note()}; "
                                   f"{space_note(self.cfg.save_total_limit, needed)}")
-        self.last_bytes = sum(_file_sizes(final).values())
+        self.last_bytes, self.saved_step = sum(_file_sizes(final).values()), step
         if self.rank == 0:
             try:
                 _fsync_write(self.root / "latest.tmp", name)
@@ -397,5 +399,6 @@ class Checkpointer:
             raise CheckpointError(f"DeepSpeed could not load {folder / 'ds'}")
         state = safe_load(folder / f"loop_rank{self.rank}.pt")
         set_rng_state(state.pop("rng"))
-        self.last_bytes = sum(json.loads((folder / "meta.json").read_text())["files"].values())
+        meta = json.loads((folder / "meta.json").read_text())
+        self.last_bytes, self.saved_step = sum(meta["files"].values()), meta["step"]
         return state

@@ -14,9 +14,10 @@ import time
 
 import torch
 
+from grpo_recipe.dist import signals
 from grpo_recipe.dist.group import all_reduce_named, device
 from grpo_recipe.generation import generate_on_every_rank
-from grpo_recipe.rewards.funcs import RewardError, score
+from grpo_recipe.rewards.funcs import RewardError, RewardStopped, score
 from grpo_recipe.run.checkpoint import rng_state, set_rng_state
 
 EVAL_SEED = 1_000_003  # the eval samplers' seed stream, far from the rollouts' (seed + (rollout x world + rank) x 1000)
@@ -68,7 +69,8 @@ class Evaluator:
                                           seed=seed, n=n, greedy=greedy)
             rows = batch.repeat(n)
             try:
-                total, per_func = score(self.funcs, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids)
+                total, per_func = score(self.funcs, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids,
+                                        timeout_s=cfg.reward_timeout_s or None, where=f"evaluation at step {step}: ")
             except RewardError as e:  # keep making the collective calls; every rank raises after the all-reduce
                 error = error or e
                 continue
@@ -83,6 +85,8 @@ class Evaluator:
         sums["failed_ranks"] = torch.tensor(float(error is not None), dtype=torch.float64)
         sums = all_reduce_named({k: v.to(device()) for k, v in sums.items()})
         if sums.pop("failed_ranks").item():
+            if error is None and signals.pending():  # the same signal cut another rank's reward short
+                error = RewardStopped(f"stopped by {signals.pending()} during the evaluation at step {step}")
             raise error or RewardError(f"a reward function failed on another rank during the evaluation at step {step}")
         count = sums["weight"].item()
         return {**{f"eval/{name}/{k}": sums[k].item() / count for k in ("reward", "completion_length")},
