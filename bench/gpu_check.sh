@@ -5,10 +5,11 @@
 #                                    -> bench/results/gpu_check.json (about 3-5 minutes on one H200)
 #   bash bench/gpu_check.sh --cpu    the same steps with a small model on CPU (CI's dry run)
 #
-# Without DeepSpeed it installs DeepSpeed 0.19.8 from its source package in bench/wheels (plus the few small
-# packages it imports that are missing) into a temporary folder: no network, nothing else touched.
-# PYTHON=... picks the interpreter (default python3); GPU_CHECK_INSTALL=1 installs from bench/wheels even where
-# DeepSpeed is present (CI tests that path with it).
+# Without DeepSpeed it installs DeepSpeed 0.19.8 (plus the few small packages it imports that are missing) into
+# a temporary folder, nothing else touched: from the wheel folder GPU_CHECK_WHEELS when set (offline: made by
+# bench/fetch_gpu_wheels.sh, carried as an untracked copy), else from the package index.
+# PYTHON=... picks the interpreter (default python3); GPU_CHECK_INSTALL=1 installs even where DeepSpeed is
+# present (CI tests that path with it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,10 +21,16 @@ if [ -n "${GPU_CHECK_INSTALL:-}" ] || ! "$PY" -c "import deepspeed" 2>/dev/null;
     "$PY" -c "import ${pair%%:*}" 2>/dev/null || pkgs+=("${pair#*:}")
   done
   "$PY" -c "import pydantic" 2>/dev/null || pkgs+=(pydantic pydantic-core annotated-types typing-inspection)
-  echo "gpu_check: installing ${pkgs[*]} from bench/wheels into $site" >&2
-  # the source package builds in an isolated environment from the carried setuptools/wheel/packaging;
-  # no DeepSpeed op is compiled (DS_BUILD_OPS=0): the check uses none
-  DS_BUILD_OPS=0 "$PY" -m pip install --quiet --no-index --find-links bench/wheels --target "$site" --no-deps \
+  if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
+    [ -d "$GPU_CHECK_WHEELS" ] || { echo "gpu_check: GPU_CHECK_WHEELS=$GPU_CHECK_WHEELS is not a folder" >&2; exit 2; }
+    from=("--no-index" "--find-links" "$GPU_CHECK_WHEELS"); where="$GPU_CHECK_WHEELS"
+  else
+    from=(); where="the package index"
+  fi
+  echo "gpu_check: installing ${pkgs[*]} from $where into $site" >&2
+  # the source package builds in an isolated environment (from the same folder when offline); no DeepSpeed op
+  # is compiled (DS_BUILD_OPS=0): the check uses none
+  DS_BUILD_OPS=0 "$PY" -m pip install --quiet --disable-pip-version-check "${from[@]}" --target "$site" --no-deps \
     "${pkgs[@]}"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
