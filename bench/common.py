@@ -134,10 +134,24 @@ def cost_clock(rows: list[dict], prices: dict[str, float]) -> list[float]:
     return [sum(prices[k] * r[k] for k in COST_TERMS) + prices["rollout"] * (i + 1) for i, r in enumerate(rows)]
 
 
+def provenance() -> dict:
+    """Who wrote a results file: the command as run, the commit (and whether the tree had changes), the time, the
+    machine and its load average at the end."""
+    def git(*args: str) -> str:
+        proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+    return {"command": " ".join(["python", *sys.argv]), "commit": git("rev-parse", "--short=12", "HEAD"),
+            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+            "load_average": list(os.getloadavg())}
+
+
 def save_json(name: str, data: dict) -> Path:
+    """Write a results file with its provenance (`provenance()`): only the script that measured it writes it."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps({**data, "provenance": provenance()}, indent=1) + "\n")
     return path
 
 

@@ -47,7 +47,7 @@ from common import (
     time_to,
 )
 from reuse_report import FRACTIONS, SMOOTH, medians, plot, tables
-from reuse_store import merge
+from reuse_store import load_runs, merge, save_runs
 
 H64 = ["--model_name_or_path", "builtin:tiny-qwen2-h64", "--loss_type", "dapo"]
 TINY = [*H64, "--num_generations", "8", "--reward_funcs", json.dumps([{"func": "length", "kwargs": {"target_chars": 60}}])]
@@ -336,16 +336,21 @@ def main() -> None:
     for r in REGIMES.values():
         r["budget_s"] *= args.budget_scale
 
-    path = RESULTS / "reuse_regimes.json"
+    path, runs_dir = RESULTS / "reuse_regimes.json", RESULTS / "reuse_regimes"
+
+    def stored() -> dict:  # the stored result with its runs read back
+        old = json.loads(path.read_text())
+        return {**old, "runs": load_runs(old, runs_dir)}
+
     if args.tables:
         old = json.loads(path.read_text())
         return print(tables({k: v for k, v in old["regimes"].items() if k in args.regimes}, old.get("verdicts_cpu_s")))
     if args.resummarize:  # the stored runs summarized and plotted again (after a change to the summary's rules)
-        old = json.loads(path.read_text())
+        old = stored()
         return write(old["runs"], old["commands"], old.get("clock", args.clock), old["total_wall_s"], old["machine"])
     if "1" not in args.variants:  # checked before any run: the stored baseline must be there
-        stored = {(r["regime"], r["variant"]) for r in json.loads(path.read_text())["runs"]} if path.exists() else set()
-        if missing := [reg for reg in args.regimes if (reg, "1") not in stored]:
+        have = {(r["regime"], r["variant"]) for r in stored()["runs"]} if path.exists() else set()
+        if missing := [reg for reg in args.regimes if (reg, "1") not in have]:
             ap.error(f"--variants lacks 1 and {path} has no mu = 1 runs of {', '.join(missing)}")
     root = RESULTS / "tmp" / "reuse_regimes"
     plan = []
@@ -361,7 +366,7 @@ def main() -> None:
          f"--seeds {' '.join(map(str, args.seeds))}", f"--jobs {args.jobs}", f"--budget_scale {args.budget_scale}",
          f"--clock {args.clock}"] + (["--keep"] if args.keep else []))]
     if args.keep and path.exists():
-        runs, commands = merge(json.loads(path.read_text()), runs, commands, list(REGIMES))
+        runs, commands = merge(stored(), runs, commands, list(REGIMES))
     write(runs, commands, args.clock, time.perf_counter() - t0)
 
 
@@ -387,7 +392,7 @@ def write(runs: list[dict], commands: list[str], clock: str, total_wall_s: float
         "load_1m_during_runs": {reg: [f(r["load_1m_mean"] for r in runs if r["regime"] == reg and "load_1m_mean" in r)
                                       for f in (min, statistics.median, max)]
                                 for reg in summary if any("load_1m_mean" in r for r in runs if r["regime"] == reg)},
-        "regimes": summary, "runs": runs, "total_wall_s": total_wall_s,
+        "regimes": summary, "runs_files": save_runs(runs, RESULTS / "reuse_regimes"), "total_wall_s": total_wall_s,
         "machine": where or machine(load_average_at_end=os.getloadavg()),
     }
     path = save_json("reuse_regimes.json", result)

@@ -157,7 +157,12 @@ def test_priced_clock_recovers_the_prices_and_ignores_when_a_run_ran():
 def test_reuse_regimes_smoke(tmp_path):
     bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "auto", "--seeds", "0",
           "--budget_scale", "0.08")
+    sys.path.insert(0, str(REPO / "bench"))
+    from reuse_store import load_runs
+
     r = json.loads((tmp_path / "reuse_regimes.json").read_text())
+    assert r["runs_files"] == ["trl_lr1e-3.json.gz"] and r["provenance"]["commit"] != "unknown"
+    r["runs"] = load_runs(r, tmp_path / "reuse_regimes")
     assert set(r["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "auto"} and r["threshold_fractions"] == [0.5, 0.8, 0.9]
     reg = r["regimes"]["trl_lr1e-3"]
     assert reg["thresholds"]["0.5"] <= reg["thresholds"]["0.9"] <= reg["best_reward"]
@@ -179,6 +184,7 @@ def test_reuse_regimes_smoke(tmp_path):
     bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "2", "--seeds", "1",
           "--budget_scale", "0.08", "--keep")
     again = json.loads((tmp_path / "reuse_regimes.json").read_text())
+    again["runs"] = load_runs(again, tmp_path / "reuse_regimes")
     assert set(again["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "auto", "2"} and len(again["commands"]) == 2
     assert sorted((x["variant"], x["seed"]) for x in again["runs"]) == [("1", 0), ("1", 1), ("2", 1), ("auto", 0)]
     def unpriced(runs):  # a run added to the regime refits its prices, so cost_s moves; nothing else does

@@ -44,11 +44,12 @@ def test_mu_sweep_summary():
     assert as_json({mu: v["median"] for mu, v in summary[str(f)]["speedup_vs_mu1"].items()}) == r["speedup_vs_mu1"]
 
 
-@pytest.mark.parametrize("name", ["reuse_regimes.json", "reuse_screen_seeds.json", "reuse_screen_maxkl_priced.json"])
-def test_reuse_regimes_summary(name):
+def test_reuse_regimes_summary():
     import reuse_regimes
+    from reuse_store import load_runs
 
-    r = load(name)
+    r = load("reuse_regimes.json")
+    r["runs"] = load_runs(r, RESULTS / "reuse_regimes")
     runs = json.loads(json.dumps(r["runs"]))  # priced again from the stored counts and CPU seconds
     assert close(as_json(reuse_regimes.price_runs(runs)), r.get("prices", {})) and close(runs, r["runs"])
     summary = reuse_regimes.summarize(runs, r.get("summary_clock", r["clock"]))

@@ -27,8 +27,11 @@ def test_help_lists_every_field_with_type_default_and_description():
     assert proc.returncode == 0 and proc.stdout.strip() == text and not proc.stderr.strip()
 
 
-def test_readme_documents_every_field():
-    """The README's config tables name every field (a field added without its line there would be found only by
-    --help)."""
-    readme = (REPO / "README.md").read_text()
-    assert [f.name for f in dataclasses.fields(Config) if f"`{f.name}`" not in readme] == []
+def test_the_configuration_reference_page_is_the_one_the_code_generates():
+    """docs/configuration.md is generated from the dataclass: a field added, removed or redescribed without
+    regenerating it fails here (python -m grpo_recipe.config.help --markdown > docs/configuration.md)."""
+    from grpo_recipe.config.help import reference_markdown
+
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert page.strip() == reference_markdown().strip()
+    assert all(f"| `{f.name}` |" in page for f in dataclasses.fields(Config))

@@ -7,7 +7,7 @@ import sys
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
-from reuse_store import merge, runs_of  # noqa: E402
+from reuse_store import load_runs, merge, runs_of, save_runs  # noqa: E402
 
 REGIMES = ["a", "b"]
 
@@ -42,7 +42,15 @@ def test_merge_replaces_redone_runs_and_drops_spent_commands():
 
 
 def test_stored_map_needs_every_command_it_lists():
-    for name in ("reuse_regimes.json", "reuse_screen_seeds.json"):
-        old = json.loads((REPO / "bench" / "results" / name).read_text())
-        runs, commands = merge(copy.deepcopy(old), [], [], sorted({r["regime"] for r in old["runs"]}))
-        assert commands == old["commands"] and len(runs) == len(old["runs"]), name
+    old = json.loads((REPO / "bench" / "results" / "reuse_regimes.json").read_text())
+    old["runs"] = load_runs(old, REPO / "bench" / "results" / "reuse_regimes")
+    runs, commands = merge(copy.deepcopy(old), [], [], sorted({r["regime"] for r in old["runs"]}))
+    assert commands == old["commands"] and len(runs) == len(old["runs"])
+
+
+def test_runs_round_trip_through_their_compressed_files(tmp_path):
+    runs = [run("a", "1", 0), run("b", "2", 1)]
+    runs[0]["rows"] = [{"reward": 1.5, "time_s": 0.25}, {"reward": 2.0, "time_s": 0.5, "cost_s": 0.75}]
+    runs[1]["rows"] = []
+    names = save_runs(runs, tmp_path)
+    assert names == ["a.json.gz", "b.json.gz"] and load_runs({"runs_files": names}, tmp_path) == runs
