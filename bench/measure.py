@@ -87,3 +87,66 @@ def update(engine, buf, cfg) -> list[dict]:
     from grpo_recipe.algo.update import train_on_rollout
 
     return [step.stats for step in train_on_rollout(engine, None, buf, cfg)]
+
+
+def rss_anon_of(pid: int) -> int | None:
+    """Private resident bytes of another process (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def whole_run_peaks(cmd: list[str], env: dict, cwd: Path, every_s: float = 0.1, log: Path | None = None) -> dict:
+    """Run a launcher command and sample the private memory (RssAnon) of each of its rank processes (those with a
+    RANK in their environment) every `every_s` seconds, from start to exit, nothing subtracted: what a user's
+    processes reach. Returns the exit code, each rank's peak bytes and the run's wall seconds."""
+    import subprocess
+
+    out = open(log, "w") if log is not None else subprocess.DEVNULL
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    peaks: dict[int, int] = {}
+    ranks: dict[int, int] = {}
+    while proc.poll() is None:
+        for pid in descendants(proc.pid):
+            if pid not in ranks:
+                try:
+                    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                except OSError:
+                    continue
+                rank = next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
+                if rank is None:
+                    continue
+                ranks[pid] = rank
+            value = rss_anon_of(pid)
+            if value is not None:
+                peaks[ranks[pid]] = max(peaks.get(ranks[pid], 0), value)
+        time.sleep(every_s)
+    if log is not None:
+        out.close()
+    return {"exit_code": proc.returncode, "peak_bytes": [peaks[r] for r in sorted(peaks)],
+            "wall_s": time.perf_counter() - t0}

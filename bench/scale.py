@@ -3,6 +3,7 @@
     python bench/scale.py                      # every part, then bench/results/scale.json and scale.png
     python bench/scale.py --parts startup      # one part (the others keep their figures from scale.json)
     python bench/scale.py --smoke              # a small model and short runs, for CI (results elsewhere)
+    python bench/scale.py --parts whole_run    # the whole run's peak per rank, as a user's processes reach it
 
 The model is built from Qwen2.5-0.5B's config with random weights (vocabulary 151,936; no download) and saved
 in bf16 as the real checkpoint is. "before" is today's code path, reproduced in bench/scale_worker.py; "after"
@@ -12,16 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
-from common import RESULTS, machine, rank_env, save_json, torchrun
-from measure import QWEN05B, SMOKE, build_model
+from common import QUICKSTART, RESULTS, machine, rank_env, save_json, torchrun
+from measure import QWEN05B, SMOKE, build_model, whole_run_peaks
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-GOALS = {"startup": "at world 2, peak private memory per rank <= 0.6x the full fp32 model, falling as 1/world",
+GOALS = {"whole_run": "whole-run peak private memory per rank, default environment: <= 3.0x the fp32 model at "
+                      "world 2, <= 5.0x at world 1",
+         "startup": "at world 2, peak private memory per rank <= 0.6x the full fp32 model, falling as 1/world",
          "logprob": "peak memory of one micro-batch's log-prob forward and backward: after / before <= 0.5",
          "throughput": "training tokens/s, completion lengths uniform in 16..512: after / before >= 1.5",
          "vs_trl": "bench/vs_trl.py rerun: step time ours / TRL <= 0.70 (0.90 before this change)"}
@@ -56,6 +61,75 @@ def run_ranks(nproc: int, args: list[str], log: Path, **extra_env) -> None:
 
 def ranks(out: Path, world: int) -> list[dict]:
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
+
+
+PARTS = ("whole_run", "startup", "logprob", "padding", "throughput")
+# The whole-run part: the quickstart config on the model, short completions, two rollouts (the second generates
+# after an optimizer step: Adam's state exists then), the final save; what issue #44 measured by hand.
+WHOLE_RUN_ARGS = ["--config", QUICKSTART, "--max_steps", "2", "--num_iterations", "1", "--max_completion_length", "4",
+                  "--num_generations", "2", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                  "--max_prompt_length", "16", "--save_steps", "0", "--disable_tqdm", "true"]
+WHOLE_RUN_CASES = [  # (world, what, extra arguments)
+    (1, "policy", []), (2, "policy", []), (2, "policy, per_layer generation", ["--hf_generation_gather", "per_layer"]),
+    (2, "policy + reference (beta 0.04)", ["--beta", "0.04"]),
+    (1, "LoRA", ["--config", "grpo_recipe/configs/quickstart_lora.yaml"]),
+    (2, "LoRA", ["--config", "grpo_recipe/configs/quickstart_lora.yaml"])]
+
+
+def with_tokenizer(model_dir: Path) -> Path:
+    """The model folder plus the built-in tiny model's tokenizer files (ids below its vocabulary): a folder a run
+    can start from (the shape's weights are linked, not copied)."""
+    from grpo_recipe.model.tiny import ensure_builtin
+
+    folder = model_dir.with_name(model_dir.name + "-with-tokenizer")
+    folder.mkdir(exist_ok=True)
+    for src in [*model_dir.iterdir(), *ensure_builtin("builtin:tiny-qwen2").glob("tokenizer*")]:
+        dst = folder / src.name
+        if src.name.startswith("tokenizer"):
+            shutil.copy(src, dst)
+        elif not dst.exists():
+            dst.symlink_to(src)
+    return folder
+
+
+def part_whole_run(model_dir: Path, work: Path, cases: list) -> dict:
+    """Each case as a user runs it: launch/local.sh with nothing set in the environment (no allocator setting, no
+    baseline subtracted), each rank's private memory (RssAnon) sampled every 0.1 s from start to exit."""
+    folder = with_tokenizer(model_dir)
+    fp32 = 4 * sum(_numel(f) for f in model_dir.glob("*.safetensors"))  # the weights as trained, in fp32
+    rows = []
+    for world, what, extra in cases:
+        out = work / f"whole_run_w{world}_{len(rows)}"
+        shutil.rmtree(out, ignore_errors=True)
+        work.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in rank_env(None).items() if not k.startswith("MALLOC_")}
+        env.update(NPROC=str(world), VENV_PY=sys.executable)
+        env.pop("OMP_NUM_THREADS", None)  # local.sh sets it, as for a user
+        args = [*WHOLE_RUN_ARGS, "--model_name_or_path", str(folder), "--output_dir", str(out), *extra]
+        r = whole_run_peaks(["bash", "launch/local.sh", *args], env, REPO, log=out.with_suffix(".log"))
+        if r["exit_code"] != 0:
+            raise RuntimeError(f"whole run {what} at world {world} exited {r['exit_code']}: see {out}.log")
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        row = {"world": world, "what": what, "args": extra, "peak_gib": [round(b / 2**30, 2) for b in r["peak_bytes"]],
+               "peak_x_fp32": [round(b / fp32, 3) for b in r["peak_bytes"]], "wall_s": round(r["wall_s"], 1),
+               "generate_s": [round(x.get("time_generate_s", 0.0), 2) for x in records],
+               "train_s": [round(x.get("time_train_s", 0.0), 2) for x in records]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    worst = {w: max(max(r["peak_x_fp32"]) for r in rows if r["world"] == w and r["what"] == "policy") for w in (1, 2)
+             if any(r["world"] == w and r["what"] == "policy" for r in rows)}
+    return {"unit": "peak private memory (RssAnon) per rank over the whole run, x the fp32 model's bytes",
+            "environment": "default: launch/local.sh, nothing exported (the recipe sets its own allocator threshold)",
+            "fp32_model_bytes": fp32, "rows": rows, "goal": GOALS["whole_run"],
+            "default_policy_worst": worst,
+            "goal_met": {str(w): x <= (3.0 if w == 2 else 5.0) for w, x in worst.items()}}
+
+
+def _numel(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def part_startup(model_dir: Path, work: Path, worlds: list[int], whats: tuple) -> dict:
@@ -240,7 +314,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["startup", "logprob", "padding", "throughput"])
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--replot", action="store_true", help="only redraw scale.png from scale.json")
     args = ap.parse_args()
@@ -253,7 +327,10 @@ def main() -> None:
     model_dir = build_model(shape, cache_root() / ("bench-smoke-shape" if args.smoke else "bench-qwen2.5-0.5b-shape"))
     work = RESULTS / "tmp" / "scale"
     path = RESULTS / "scale.json"
-    result = json.loads(path.read_text()) if path.exists() else {}
+    # the parts measured earlier stay (each with when and on which commit); anything else is not this script's
+    old = json.loads(path.read_text()) if path.exists() and not args.smoke else {}
+    result = {k: v for k, v in old.items() if k in (*PARTS, "measured_at")}
+    result["measured_at"] = {k: v for k, v in result.get("measured_at", {}).items() if k in PARTS}
 
     def save(part: str, figures: dict) -> None:  # after each part: a later part's failure keeps the earlier ones
         result[part] = figures
@@ -261,6 +338,8 @@ def main() -> None:
         result.update(command="python bench/scale.py", model_shape=shape, goals=GOALS, machine=machine())
         save_json("scale.json", result)
 
+    if "whole_run" in args.parts:
+        save("whole_run", part_whole_run(model_dir, work, WHOLE_RUN_CASES[:2] if args.smoke else WHOLE_RUN_CASES))
     if "startup" in args.parts:
         save("startup", part_startup(model_dir, work, [2], ("policy+reference",)) if args.smoke else
              part_startup(model_dir, work, [1, 2], ("policy", "policy+reference", "reference")))

@@ -88,7 +88,7 @@ def startup(model_dir: str, out: str, variant: str, what: str) -> None:
 
 
 def todays_forward_logps(model, input_ids, attention_mask, completion_len: int, temperature: float,
-                         with_entropy: bool = False):
+                         with_entropy: bool = False, entropy_grad: bool = False):
     """Today's forward_logps: logits for every position, the completion slice upcast to fp32 (and, as the
     recipe's, each position's entropy when the loop asks for it)."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)

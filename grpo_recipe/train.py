@@ -6,9 +6,10 @@ Works as a plain process (a world of one), under torchrun, and under the deepspe
 """
 from __future__ import annotations
 
-from grpo_recipe.dist import signals
+from grpo_recipe.dist import allocator, signals
 
 signals.catch()  # before the heavy imports: a preemption during start-up is acted on, not lost
+allocator.configure()  # before anything is allocated: freed memory goes back to the system
 
 import os  # noqa: E402
 import random

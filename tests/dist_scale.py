@@ -139,6 +139,25 @@ def bf16(rank, world) -> dict:
     return res
 
 
+def memory(rank, world, path, out_dir: Path) -> dict:
+    """What a rank holds after engine set-up (the fp32 master is the parameter partition itself), and the final
+    save written a shard at a time (small shards here, so that there are several)."""
+    from grpo_recipe.model import save as save_mod
+    from grpo_recipe.model.load import load_tokenizer as tokenizer_of
+
+    cfg = Config(**BASE)
+    engine = eng.init_engine(load_model(path, cfg, world), cfg, world)
+    opt = engine.optimizer
+    shared = all(m.data_ptr() == q.data_ptr() for m, q in zip(opt.fp32_partitioned_groups_flat,
+                                                              opt.fp16_partitioned_groups_flat))
+    run_case_state = gathered_state(engine.module)
+    save_mod.SHARD_BYTES = 300_000  # bytes: several shards of the tiny model
+    save_mod.save_hf_model(engine, tokenizer_of(path), out_dir / "final", rank)
+    engine.destroy()
+    return {"master_shared": shared, "gathered": run_case_state,
+            "subgroups": len(opt.fp16_partitioned_groups_flat)}
+
+
 def main():
     out = Path(sys.argv[1])
     rank, world = init_distributed()
@@ -151,8 +170,9 @@ def main():
         plain.config.save_pretrained(out.parent / "bin")
         torch.save(plain.state_dict(), out.parent / "bin" / "pytorch_model.bin")
     dist.barrier()
-    res = {"world": world, "loading": loading(rank, world, path, out.parent / "bin"), "generation": generation(rank, world, path, out.parent),
-           "bf16": bf16(rank, world)}
+    res = {"world": world, "loading": loading(rank, world, path, out.parent / "bin"),
+           "generation": generation(rank, world, path, out.parent), "bf16": bf16(rank, world),
+           "memory": memory(rank, world, path, out.parent)}
     flags = torch.tensor([float(all(v["partitioned"] for v in res["loading"].values()))])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     res["partitioned_on_every_rank"] = bool(flags[0])

@@ -245,8 +245,12 @@ def test_scale_smoke(tmp_path):
     assert t["speedup"] > 0 and t["same_update"]["grad_norm_rel_diff"] < 1e-4
     p = r["padding"]["row"]
     assert p["after"]["positions_through_layers"] < p["before"]["positions_through_layers"]
-    assert set(r["goals"]) == {"startup", "logprob", "throughput", "vs_trl"}
-    assert set(r["measured_at"]) == {"startup", "logprob", "padding", "throughput"}
+    assert set(r["goals"]) == {"whole_run", "startup", "logprob", "throughput", "vs_trl"}
+    assert set(r["measured_at"]) == {"whole_run", "startup", "logprob", "padding", "throughput"}
+    w = r["whole_run"]
+    assert [(x["world"], x["what"]) for x in w["rows"]] == [(1, "policy"), (2, "policy")]
+    assert all(x > 0 for row in w["rows"] for x in row["peak_x_fp32"]) and len(w["rows"][1]["peak_gib"]) == 2
+    assert "provenance" in r and r["provenance"]["command"].endswith("scale.py --smoke")
     assert_plot(tmp_path / "scale.png", 4 * 6 * 110, int(4.5 * 110))  # one panel per part
 
 

@@ -19,7 +19,7 @@ def run(tmp_path_factory):
     """One 2-rank run of tests/dist_scale.py (about 35 s), shared by the tests below."""
     out = tmp_path_factory.mktemp("scale") / "scale.pt"
     torchrun(2, ["tests/dist_scale.py", str(out)])
-    return torch.load(out, weights_only=True)
+    return {**torch.load(out, weights_only=True), "out_dir": out.parent}
 
 
 @pytest.mark.slow
@@ -129,3 +129,19 @@ def test_forward_logps_equal_the_full_logits_computation(tiny_model_dir, peft):
     g_got = torch.autograd.grad((got * mask).sum(), params)
     g_want = torch.autograd.grad((want * mask).sum(), params)
     assert max((a - b).abs().max().item() for a, b in zip(g_got, g_want)) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_fp32_master_is_the_parameter_partition_and_the_final_save_goes_shard_by_shard(run, tmp_path):
+    """Training in fp32, a rank holds its parameter partition once (DeepSpeed would clone it as the "fp32
+    master", engine.share_fp32_master); the final model is written a shard at a time and loads as the weights."""
+    from transformers import AutoModelForCausalLM
+
+    mem = run["memory"]
+    assert mem["master_shared"]
+    final = run["out_dir"] / "final"
+    shards = sorted(p.name for p in final.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (final / "model.safetensors.index.json").is_file() and not (final.parent / "final.tmp").exists()
+    loaded = dict(AutoModelForCausalLM.from_pretrained(final).named_parameters())
+    assert loaded.keys() >= mem["gathered"].keys()
+    assert all(torch.equal(loaded[k].detach(), v) for k, v in mem["gathered"].items())

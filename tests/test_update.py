@@ -108,7 +108,9 @@ def reference_update(tiny_model_dir, cfg: Config, world: int, wrap=None, zero_st
                 if cfg.beta > 0:
                     with torch.no_grad():
                         rl = ref_logps(ref_model, b, idx)
-                    tok = tok + cfg.beta * (torch.exp(rl - lp) - (rl - lp) - 1)
+                    kl = torch.exp(rl - lp) - (rl - lp) - 1
+                    # TRL's use_bias_correction_kl (its default): the k3 term times the ratio
+                    tok = tok + cfg.beta * (kl * ratio if cfg.use_bias_correction_kl else kl)
                 m = b.completion_mask[idx]
                 terms.append((tok, m))
                 stats.append((ratio.detach(), m))

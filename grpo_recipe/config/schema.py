@@ -82,8 +82,8 @@ class Config:
     num_generations: int = opt(8, "G: completions per prompt (a group; all G are generated on one rank)")
     max_completion_length: int = opt(64, "new tokens per completion at most")
     temperature: float = opt(1.0, "sampling temperature (the trainer scores the same softmax(logits / T))")
-    top_p: float = opt(1.0, "must be 1: truncated sampling would bias the importance ratios (see README)")
-    top_k: int = opt(0, "must be 0 (off): truncated sampling would bias the importance ratios (see README)")
+    top_p: float = opt(1.0, "must be 1: truncated sampling would bias the importance ratios (docs: algorithm, sampling)")
+    top_k: int = opt(0, "must be 0 (off): truncated sampling would bias the importance ratios (docs: algorithm, sampling)")
     min_p: float | None = opt(None, "must be null or 0: truncated sampling would bias the importance ratios")
     repetition_penalty: float = opt(1.0, "must be 1: a penalized sampler is not the policy the trainer scores")
     stop: list = opt([], "stop strings: a completion ends with the token that completes one (kept in the text)")
@@ -110,7 +110,7 @@ class Config:
     scale_rewards: str = opt("group", "std dividing the centered rewards: group, batch (all ranks) or none")
     # --- GRPO --------------------------------------------------------------------------
     num_iterations: int | str = opt("auto", "mu: optimizer passes over each rollout, or auto: decided after each "
-                                    "pass, at most reuse_max_iterations (README: Reuse decided per rollout)")
+                                    "pass, at most reuse_max_iterations (docs: algorithm, reuse)")
     epsilon: float = opt(0.2, "clip range low: ratios below 1 - epsilon are clipped")
     epsilon_high: float | None = opt(None, "clip range high (1 + epsilon_high); null = epsilon. cispo: the ratio "
                                      "cap itself (ScaleRL: 5.0)")

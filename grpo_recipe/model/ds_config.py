@@ -42,6 +42,7 @@ def ds_config(cfg: Config, world_size: int, hidden_size: int, train: bool = True
         # Fused and CPU Adam kernels compile for about a minute on CPU; torch's AdamW is as exact.
         if not torch.cuda.is_available() and opt.get("type", "").lower() in ("adam", "adamw"):
             opt["params"]["torch_adam"] = True
+            opt["params"]["fused"] = True  # no temporaries the size of the partition (foreach makes several)
     if not train:
         for key in ("optimizer", "scheduler"):
             conf.pop(key, None)

@@ -1,0 +1,38 @@
+"""How this process's memory goes back to the system. glibc's default keeps freed blocks below a threshold that
+grows up to 32 MiB in its heap (a model's per-layer tensors are that size), so a rank's private memory keeps the
+high-water mark of every phase; a fixed threshold of 128 KiB gives every block of that size or more its own
+mapping, returned when freed. Set from the rank's first line (before torch allocates), for every launcher; an
+environment that sets MALLOC_MMAP_THRESHOLD_ itself keeps its choice. Standard library only."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+MMAP_THRESHOLD = 128 << 10
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def configure() -> bool:
+    """Fix glibc's mmap threshold at 128 KiB (returns whether it was set here)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):  # not glibc (musl, macOS): nothing to tune
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 4 << 20))
+
+
+def release() -> None:
+    """Give the heap's free pages back to the system (after a phase that freed much: loading, a checkpoint)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
