@@ -22,10 +22,16 @@ sys.path.insert(0, str(REPO))  # the recipe's own reward functions, so both side
 TRL_ONLY_KWARGS = ("trainer_state", "log_extra", "log_metric", "completion_ids", "environments")
 
 
-def reward_wrapper(func, emit):
-    """A recipe RewardFunc as a TRL reward function (same call as the recipe makes), logging each call."""
+def reward_wrapper(func, emit, as_text: bool = False):
+    """A recipe RewardFunc as a TRL reward function (same call as the recipe makes), logging each call. With
+    `as_text` (chat prompts given to TRL as messages where the recipe formats text prompts with the same chat
+    template), the completions reach the function as text, as the recipe passes them."""
+    from grpo_recipe.rewards.funcs import completion_text
+
     def reward(prompts, completions, **kwargs):
         columns = {k: v for k, v in kwargs.items() if k not in TRL_ONLY_KWARGS}
+        if as_text:
+            completions = [completion_text(c) for c in completions]
         values = [float(v) for v in func.fn(prompts=prompts, completions=completions, **columns, **func.kwargs)]
         emit("rewards", func=func.name, weight=func.weight, n=len(values), mean=sum(values) / len(values))
         return values
@@ -55,12 +61,16 @@ def main(spec_path: str) -> int:
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             emit("train_begin")
+            if budget is not None:
+                budget.start()
             if rank == 0:  # what DeepSpeed was given, once the Trainer filled the "auto" values
                 ds = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
                 (out / "ds_config_resolved.json").write_text(json.dumps(ds, indent=1, default=str))
 
         def on_step_end(self, args, state, control, **kw):
             emit("step_end", step=state.global_step)
+            if budget is not None and budget.after_step(state.global_step, trainer.save_model):
+                control.should_training_stop = True
 
     # Without GPUs accelerate picks no process-group backend for DeepSpeed and then counts a world of 1 (while
     # DeepSpeed itself joins both ranks), so the batch sizes it derives are wrong. Naming gloo, the backend
@@ -76,11 +86,16 @@ def main(spec_path: str) -> int:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(backend="gloo")
         accel = {"accelerator_config": {"use_configured_state": True}}
+    sys.path.insert(0, str(REPO / "bench"))
+    from budget import BudgetClock
+
+    budget = BudgetClock.from_env()  # bench/real_vs_trl.py: a wall-clock budget with snapshots
     funcs = load_reward_funcs(spec["reward_funcs"])
     dataset = datasets.load_dataset("json", data_files=spec["prompts_file"], split="train")
     args = GRPOConfig(output_dir=str(out), deepspeed=spec["deepspeed_config"], reward_weights=[f.weight for f in funcs],
                       model_init_kwargs={"dtype": torch.float32}, **accel, **spec["grpo_config"])
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=[reward_wrapper(f, emit) for f in funcs], args=args,
+    as_text = bool(spec.get("chat_prompts"))
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=[reward_wrapper(f, emit, as_text) for f in funcs], args=args,
                           train_dataset=dataset, callbacks=[Clock()])
     generate = trainer._generate_single_turn  # timed from outside; its behaviour is untouched
 

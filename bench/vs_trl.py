@@ -145,14 +145,15 @@ def trl_fields(cfg, mu: int, max_steps: int, cuda: bool) -> dict:
 def trl_ds_config(cfg, cuda: bool) -> dict:
     """The recipe's DeepSpeed file as TRL's Trainer takes it (it fills the "auto" values itself).
 
-    The one change is the one the recipe makes at run time on CPU: torch's AdamW instead of a compiled kernel.
+    The one change is the one the recipe makes at run time on CPU: torch's fused AdamW instead of a compiled
+    kernel.
     """
     from grpo_recipe.config.schema import resolve_path
 
     conf = json.loads(resolve_path(cfg.deepspeed_config).read_text())
     opt = conf.get("optimizer")
     if not cuda and opt is not None and opt.get("type", "").lower() in ("adam", "adamw"):
-        opt.setdefault("params", {})["torch_adam"] = True
+        opt.setdefault("params", {}).update(torch_adam=True, fused=True)
     return conf
 
 
@@ -325,6 +326,9 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from common import provenance
+
+    result["provenance"] = provenance()
     (out / "vs_trl.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     plot(runs, summary, args.mus, out / "vs_trl.png")
     if args.workdir is None:

@@ -285,3 +285,23 @@ def test_gpu_check_refuses_a_wheel_folder_that_is_not_there(tmp_path):
                           env=rank_env(PYTHON=sys.executable, GPU_CHECK_INSTALL=1,
                                        GPU_CHECK_WHEELS=str(tmp_path / "nope")), timeout=120)
     assert proc.returncode == 2 and "GPU_CHECK_WHEELS=" in proc.stderr and "is not a folder" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not importlib.util.find_spec("trl") and not os.environ.get("GRPO_REQUIRE_TRL"),
+                    reason="trl not installed (bash launch/setup_venv.sh test,bench-trl)")
+def test_real_vs_trl_smoke(tmp_path):
+    """bench/real_vs_trl.py --smoke: selection, the four variants under a tiny wall-clock budget with snapshots,
+    the evaluations and the summary, on the real SmolLM2 weights (no claim: a step or two each)."""
+    bench(tmp_path, "real_vs_trl.py", "--smoke", "--out", str(tmp_path), "--workdir", str(tmp_path / "work"),
+          timeout=1500)
+    r = json.loads((tmp_path / "real_vs_trl.json").read_text())
+    assert r["smoke"] and r["claim"] is None and r["trl_version"] == "1.16.0"
+    assert {x["variant"] for x in r["runs"]} == {"trl_mu1", "trl_mu4", "ours_mu1", "ours_default"}
+    for run in r["runs"]:  # the untrained point, then one per snapshot, each at least one optimizer step in
+        assert [c["train_s"] for c in run["curve"]] == [0.0, *r["snapshot_points_s"]] and run["curve"][1]["step"] >= 1
+        assert 0 < run["generation_share"] < 1 and run["s_per_step"] > 0
+    assert r["target_accuracy"] is not None and set(r["speedup_vs_trl_mu1"]) == set(r["variants"])
+    assert r["selection"][0]["n"] == r["eval_n"] == 8 and "pooled" in r["variants"]["ours_default"]["equal_time_vs_trl_mu1"]
+    assert r["provenance"]["command"].endswith("--smoke --out " + str(tmp_path) + " --workdir " + str(tmp_path / "work"))
+    assert_plot(tmp_path / "real_vs_trl.png", 880, 550)

@@ -61,6 +61,9 @@ def build(task: str, out: Path, train_size: int, eval_size: int, seed: int = 0, 
             qs.add(r["question"])
             unique.append(r)
     evals = unique[:eval_size]
+    if not evals:  # a task this small repeats its train questions: there is nothing to hold out
+        raise PrepareDataError(f"--task {task} --task-config {json.dumps(task_config)}: every eval question is also "
+                               f"in the train set ({train_size} rows): widen the task's range or lower --train-size")
     if len(evals) < eval_size:
         print(f"warning: only {len(evals)} eval questions are not in the train set (asked for {eval_size})",
               file=sys.stderr)

