@@ -129,3 +129,15 @@ def hangs(prompts, completions, ranks: str = "all", at_call: int = 1, **kw):
         while True:
             time.sleep(3600)
     return [0.0] * len(completions)
+
+
+def trl_values(prompts, completions, **kw):
+    """What TRL's reward loop takes as it is: a bool, a numpy scalar, a 0-d tensor, NaN (not applicable), an int."""
+    import numpy as np
+    import torch
+
+    return [True, np.float32(0.5), torch.tensor(2.0), float("nan"), 3][:len(completions)]
+
+
+def has_inf(prompts, completions, **kw):
+    return [float("inf") if i == 1 else 0.0 for i in range(len(completions))]

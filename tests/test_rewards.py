@@ -36,7 +36,7 @@ def test_module_function_and_numpy_or_tensor_outputs():
 @pytest.mark.parametrize("fn, message", [
     ("raises", "reward 'raises' raised ZeroDivisionError"),
     ("wrong_count", "reward 'wrong_count' returned 1 values for 3 completions"),
-    ("has_nan", "reward 'has_nan' returned nan at sample 1"),
+    ("has_inf", "reward 'has_inf' returned inf at sample 1: rewards must be finite"),
     ("always_none", "no reward function applies to sample 0"),
     ("not_a_list", "reward 'not_a_list' returned float"),
 ])
@@ -71,6 +71,16 @@ def test_trl_calling_convention_plain_and_conversational():
     assert conv["prompts"] == chat
     assert conv["completions"] == [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "bb"}]]
     assert per["length"].tolist() == [-59.0, -58.0]  # built-ins read a message's content
+
+
+def test_values_trl_takes_are_taken_and_nan_means_not_applicable():
+    funcs = load_reward_funcs(["tests.reward_fixtures:trl_values", {"func": "length", "kwargs": {"target_chars": 0}}])
+    total, per = score(funcs, ["p"] * 5, ["a"] * 5, {})
+    got = per["trl_values"].tolist()
+    assert got[:3] == [1.0, 0.5, 2.0] and math.isnan(got[3]) and got[4] == 3.0
+    assert total.tolist() == [0.0, -0.5, 1.0, -1.0, 2.0]  # the NaN sample: only length applies
+    (f,) = load_reward_funcs(["tests.reward_fixtures:has_nan"])
+    assert math.isnan(score([f, *load_reward_funcs(["length"])], ["p"] * 2, ["a", "b"], {})[1]["has_nan"][1].item())
 
 
 def test_none_means_not_applicable():

@@ -4,7 +4,8 @@ A reward function has TRL's signature: `fn(prompts, completions, completion_ids,
 `columns` holds every dataset column of the batch but the prompt column (e.g. `answer=[...]`) plus the
 spec's `kwargs`. Prompts are as in the dataset; when they are conversational (lists of messages), each
 completion is a list holding one assistant message, as in TRL. `async def` functions run concurrently.
-A value of None means "not applicable to this sample": the total is the weighted sum over the others.
+A value of None (or NaN, as TRL reads it) means "not applicable to this sample": the total is the weighted sum
+over the others. Values are taken as TRL takes them: floats, ints, bools, numpy scalars, 0-d tensors.
 Bad output stops the run at once with a RewardError naming the function and the sample index.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -187,13 +189,16 @@ def _validate(name: str, out: Any, n: int) -> torch.Tensor:
         raise RewardError(f"reward {name!r} returned {len(out)} values for {n} completions")
     values = []
     for i, v in enumerate(out):
-        if v is None:
+        if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:  # a numpy scalar or a 0-d tensor, as TRL takes them
+            v = v.item()
+        if v is None or isinstance(v, float) and math.isnan(v):  # TRL's "not applicable": None, or NaN
             values.append(math.nan)
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if not isinstance(v, numbers.Real):  # bools count as 0 and 1, as torch.tensor makes them in TRL
             raise RewardError(f"reward {name!r} returned {v!r} at sample {i}, expected a float or None")
-        if not math.isfinite(v):
-            raise RewardError(f"reward {name!r} returned {v} at sample {i}")
+        if math.isinf(v):  # TRL would train on it: an infinite advantage is NaN weights a step later
+            raise RewardError(f"reward {name!r} returned {v} at sample {i}: rewards must be finite (None or NaN "
+                              f"mark a sample the function does not apply to)")
         values.append(float(v))
     out = torch.tensor(values, dtype=torch.float32)
     bad = torch.isinf(out).nonzero()  # (NaN: None, not applicable)
