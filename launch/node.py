@@ -153,6 +153,24 @@ def _next_exit(procs: dict) -> tuple[int, int]:
             continue
 
 
+def env_int(name: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
+    """A whole-number setting from the environment (unset or empty: `default`); anything else is one line and
+    exit code 2, before any rank starts."""
+    raw = os.environ.get(name, "")
+    if raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        shown = "NPROC" if name == "NPROC_PER_NODE" and os.environ.get("LAUNCHER_NAME") == "local.sh" else name
+        log(f"{shown} must be a whole number {bound}, got {raw!r}")
+        sys.exit(2)
+    return value
+
+
 def rank_environment(env: dict, gpus: int) -> dict:
     """The ranks' environment: DeepSpeed's CPU accelerator on a node without GPUs, and one thread per rank
     unless the user chose (two threads per CPU rank ran ~10x slower here)."""
@@ -174,9 +192,11 @@ def gpus_here() -> int:
 
 def main() -> int:
     gpus = gpus_here()
-    nproc = int(os.environ.get("NPROC_PER_NODE") or gpus or 2)
+    nproc = env_int("NPROC_PER_NODE", gpus or 2, minimum=1)
+    nnodes = env_int("NNODES", 1, minimum=1)
+    node = env_int("NODE_RANK", 0, maximum=nnodes - 1)
+    env_int("MASTER_PORT", 0, maximum=65535)
     env = rank_environment(dict(os.environ, MASTER_ADDR=os.environ.get("MASTER_ADDR") or "127.0.0.1"), gpus)
-    node, nnodes = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("NNODES", 1))
     log(f"{nproc} ranks on {'GPU' if gpus else 'CPU'}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
     return run_ranks(sys.argv[1:], nproc, node, nnodes, env, own_session=True)
 

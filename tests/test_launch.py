@@ -212,3 +212,13 @@ def test_a_collective_timeout_names_the_stuck_rank_and_what_it_runs(tmp_path):
     assert "rank 1 in \"rollout 0: reward 'hangs'\" for" in line, line
     assert "rank 0: rollout 0: reward statistics (all ranks)" in line, line
     assert not descendants(proc.pid)
+
+
+@pytest.mark.parametrize("env,line", [({"NPROC": "abc"}, "local.sh: NPROC must be a whole number >= 1, got 'abc'"),
+                                      ({"NPROC": "0"}, "local.sh: NPROC must be a whole number >= 1, got '0'"),
+                                      ({"MASTER_PORT": "70000"}, "MASTER_PORT must be a whole number in 0..65535")])
+def test_a_bad_launcher_setting_is_one_line_and_exit_2(tmp_path, env, line):
+    proc = subprocess.run(local_sh_cmd("--output_dir", str(tmp_path / "out")), cwd=REPO, capture_output=True,
+                          text=True, env=rank_env(VENV_PY=sys.executable, **env), timeout=120)
+    assert proc.returncode == 2 and line in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

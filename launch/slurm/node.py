@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from node import REPO, log, rank_environment, run_ranks  # noqa: E402  (launch/node.py: the one owner of the ranks)
+from node import REPO, env_int, log, rank_environment, run_ranks  # noqa: E402  (launch/node.py: the one owner of the ranks)
 
 sys.path.insert(0, str(REPO))
 
@@ -54,7 +54,7 @@ def recipe_args(argv: list[str], restart: int) -> list[str]:
 def main() -> int:
     node, nnodes = int(os.environ["SLURM_NODEID"]), int(os.environ["SLURM_NNODES"])
     gpus = gpus_on_node()
-    nproc = int(os.environ.get("NPROC_PER_NODE") or gpus or 1)
+    nproc = env_int("NPROC_PER_NODE", gpus or 1, minimum=1)
     env = rank_environment(dict(os.environ), gpus)
     args = recipe_args(sys.argv[1:], int(os.environ.get("SLURM_RESTART_COUNT") or 0))
     log(f"node {node}/{nnodes}: ranks {node * nproc}..{node * nproc + nproc - 1} of {nnodes * nproc} "
