@@ -338,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for real_vs_trl.json and .png (default: bench/results)")
     ap.add_argument("--workdir", default=None, help="runs, snapshots and evaluations (default: output/real_vs_trl)")
     ap.add_argument("--summarize", action="store_true", help="run nothing new: summarize what is on disk")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="run only these of the seeds (a session too short for all); the runs of other seeds already "
+                         "on disk are summarized with them, and the results say which are missing")
     args = ap.parse_args(argv)
     os.chdir(REPO)
     from vs_trl import run_env, trl_ds_config, trl_version
@@ -349,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     smoke = SMOKE if args.smoke else {}
     hyper = {**HYPER, **smoke.get("hyper", {})}
     budget_s, seeds = smoke.get("budget_s", BUDGET_S), smoke.get("seeds", SEEDS)
+    if args.seeds and not set(args.seeds) <= set(seeds):
+        ap.error(f"--seeds: the seeds are {seeds}, got {args.seeds}")
     eval_n, eval_tokens = smoke.get("eval_n", EVAL_N), smoke.get("eval_max_new_tokens", EVAL_MAX_NEW_TOKENS)
     out = Path(args.out).resolve() if args.out else RESULTS
     work = Path(args.workdir).resolve() if args.workdir else REPO / "output" / ("real_vs_trl_smoke" if args.smoke
@@ -373,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     planned = [(seed, v) for i, seed in enumerate(seeds)
                for v in order[i % len(order):] + order[:i % len(order)]]  # rotated: load drifts hit every variant
     for seed, variant in planned:
-        if args.summarize and not (work / f"{variant}-seed{seed}" / "snapshots" / "snapshots.json").is_file():
+        on_disk = (work / f"{variant}-seed{seed}" / "snapshots" / "snapshots.json").is_file()
+        if (args.summarize or (args.seeds and seed not in args.seeds)) and not on_disk:
             continue
         runs.append(one_run(variant, seed, ctx))
         if len(runs) < len(planned):  # the runs so far, marked incomplete: an interrupted benchmark keeps them
