@@ -77,10 +77,10 @@ def test_two_nodes_one_rank_each_train_to_completion(cluster, tmp_path, tiny_mod
 
 
 def test_failed_training_fails_the_job(cluster, tmp_path):
-    proc = sbatch(cluster, tmp_path, *SHORT, "--max_steps", "4", "--reward_funcs", "[tests.reward_fixtures:has_nan]")
+    proc = sbatch(cluster, tmp_path, *SHORT, "--max_steps", "4", "--reward_funcs", "[tests.reward_fixtures:has_inf]")
     log = job_log(tmp_path)
     assert proc.returncode == 1, proc.stderr + log[-4000:]
-    assert "reward 'has_nan' returned nan at sample 1" in log
+    assert "reward 'has_inf' returned inf at sample 1" in log
     assert "training exited with 1" in log and "requeued" not in log
 
 

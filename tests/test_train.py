@@ -88,9 +88,9 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
 def test_bad_reward_stops_every_rank_with_its_name(tmp_path):
     out = tmp_path / "out"
     proc = torchrun(2, ["-m", "grpo_recipe.train", "--config", QUICKSTART, *SHORT, "--output_dir", str(out),
-                        "--reward_funcs", "[tests.reward_fixtures:has_nan]"], check=False, timeout=600)
+                        "--reward_funcs", "[tests.reward_fixtures:has_inf]"], check=False, timeout=600)
     assert proc.returncode != 0
-    assert "reward 'has_nan' returned nan at sample 1" in proc.stderr
+    assert "reward 'has_inf' returned inf at sample 1" in proc.stderr
     assert not (out / "final").exists()
 
 
