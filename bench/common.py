@@ -134,24 +134,36 @@ def cost_clock(rows: list[dict], prices: dict[str, float]) -> list[float]:
     return [sum(prices[k] * r[k] for k in COST_TERMS) + prices["rollout"] * (i + 1) for i, r in enumerate(rows)]
 
 
-def provenance() -> dict:
-    """Who wrote a results file: the command as run, the commit (and whether the tree had changes), the time, the
-    machine and its load average at the end."""
-    def git(*args: str) -> str:
-        proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
-        return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+def _git(*args: str) -> str:
+    proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
 
-    return {"command": " ".join(["python", *sys.argv]), "commit": git("rev-parse", "--short=12", "HEAD"),
-            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+
+def _code() -> dict:
+    return {"commit": _git("rev-parse", "--short=12", "HEAD"),
+            "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+# The code a benchmark ran is the tree when it started (it imports this module first), not when it writes hours
+# later.
+CODE_AT_START = _code()
+
+
+def provenance() -> dict:
+    """Who wrote a results file: the command as run, the commit it started from (and whether the tree had
+    changes then), the time, the machine and its load average at the end."""
+    return {"command": " ".join(["python", *sys.argv]), **CODE_AT_START,
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
             "load_average": list(os.getloadavg())}
 
 
-def save_json(name: str, data: dict) -> Path:
-    """Write a results file with its provenance (`provenance()`): only the script that measured it writes it."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
-    path.write_text(json.dumps({**data, "provenance": provenance()}, indent=1) + "\n")
+def save_json(name: str | Path, data: dict, folder: Path | None = None) -> Path:
+    """Write a results file with its provenance (`provenance()`): only the script that measured it writes it.
+    `name` is a file name in `folder` (default bench/results), or a path (a script's --out)."""
+    path = Path(name) if folder is None and Path(name).parent != Path(".") else (folder or RESULTS) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**data, "provenance": provenance()}, indent=1, default=str) + "\n")
     return path
 
 

@@ -111,6 +111,9 @@ def main() -> None:
         from grpo_recipe.dist import liveness
 
         return liveness.run_and_exit(lambda: worker(*sys.argv[2:5]))  # no gloo/DeepSpeed teardown
+    sys.path.insert(0, str(REPO / "bench"))
+    from common import save_json  # first: it notes the code this run starts from
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2, help="ranks (CPU processes or GPUs)")
     ap.add_argument("--models", default="tiny,bigger", help="comma-separated: tiny, bigger")
@@ -132,8 +135,7 @@ def main() -> None:
                   f"(x{r_lora['optimizer_state_bytes'] / r_full['optimizer_state_bytes']:.4f}); grads "
                   f"{r_full['grad_partition_bytes'] / mib:.2f} vs {r_lora['grad_partition_bytes'] / mib:.3f} MiB; "
                   f"peak RSS {r_full['peak_rss_bytes'] / mib:.0f} vs {r_lora['peak_rss_bytes'] / mib:.0f} MiB")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    save_json(Path(args.out).resolve(), results)
     print(f"wrote {args.out}")
 
 

@@ -186,10 +186,7 @@ def main() -> None:
               "command": "python bench/lora_vllm.py " + " ".join(sys.argv[1:]),
               "machine": {**machine(), "vllm": vllm.__version__, "ranks": 2, "vllm_tensor_parallel_size": 1},
               "summary": summarize(runs), "runs": runs}
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    else:
-        save_json("lora_vllm.json", report)
+    save_json(Path(args.out).resolve() if args.out else "lora_vllm.json", report)
     print(json.dumps(report["summary"], indent=1))
 
 

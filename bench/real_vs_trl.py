@@ -391,7 +391,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def write(out: Path, args, argv, ctx: dict, runs: list[dict], selection: list, untrained: dict, version: str,
           t_start: float, load_start, complete: bool) -> None:
-    import common
     from vs_trl import versions
 
     budget_s, hyper, seeds = ctx["budget_s"], ctx["hyper"], ctx["seeds"]
@@ -414,8 +413,7 @@ def write(out: Path, args, argv, ctx: dict, runs: list[dict], selection: list, u
                      "env": "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu per rank (2 ranks, torchrun)"},
         "runs": [{k: v for k, v in r.items() if k != "final_right"} for r in runs],
     }
-    common.RESULTS = out
-    path = save_json("real_vs_trl.json", result)
+    path = save_json("real_vs_trl.json", result, out)
     plot(runs, summary["target_accuracy"], out / "real_vs_trl.png")
     print(json.dumps({"target_accuracy": summary["target_accuracy"], "speedup_vs_trl_mu1": summary["speedup_vs_trl_mu1"],
                       "step_time_ratio_vs_trl_mu1": summary["step_time_ratio_vs_trl_mu1"],

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, moving_average, read_jsonl, read_metrics
+from common import REPO, moving_average, read_jsonl, read_metrics, save_json
 
 CONFIG = "grpo_recipe/configs/smollm2_arith.yaml"
 MODEL = "output/models/smollm2-135m-instruct"
@@ -153,8 +153,7 @@ def summarize() -> dict:
         "commands": {k: shlex.join(v).replace(sys.executable, "python") for k, v in COMMANDS.items()},
     }
     res_dir = REPO / "bench" / "results"
-    res_dir.mkdir(parents=True, exist_ok=True)
-    (res_dir / "smollm2_arith.json").write_text(json.dumps(out, indent=2) + "\n")
+    save_json("smollm2_arith.json", out, res_dir)
     plot(records, res_dir / "smollm2_arith_reward.png")
     return out
 

@@ -45,7 +45,7 @@ def timed(fn):
 
 def main() -> None:
     args, overrides = parse()
-    from common import machine
+    from common import machine, save_json
 
     from grpo_recipe import train
     from grpo_recipe.algo.buffer import RolloutBuffer
@@ -110,8 +110,7 @@ def main() -> None:
         "sync_share_of_vllm_rollout": (sum(sync_s) / len(sync_s)) / (result["vllm"]["seconds"] / args.rollouts),
     }
     if run.rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        save_json(Path(args.out).resolve(), report)
         print(json.dumps(report, indent=2))
     dist.barrier()
     run.generator.close()  # last: vLLM's shutdown tears the process group down

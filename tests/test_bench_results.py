@@ -157,3 +157,35 @@ def test_scale_summary():
     assert {str(k): v for k, v in w["default_policy_worst"].items()} == worst
     assert w["goal_met"] == {"1": worst["1"] <= 5.0, "2": worst["2"] <= 3.0}
     assert set(r) <= {*scale.PARTS, "measured_at", "command", "model_shape", "goals", "machine", "provenance"}
+
+
+# Results written before bench/common.save_json recorded provenance, with the command that rewrites each with it.
+# The list only shrinks: a file that gains provenance must leave it, and no new file may join it.
+BEFORE_PROVENANCE = {
+    "breakdown.json": "python bench/breakdown.py",
+    "lora_memory.json": "python bench/lora_memory.py --out bench/results/lora_memory.json",
+    "lora_vllm.json": "python bench/lora_vllm.py",
+    "memory.json": "python bench/memory.py",
+    "mu_sweep.json": "python bench/mu_sweep.py",
+    "smollm2_arith.json": "python bench/smollm2_arith.py",
+    "vllm_vs_hf.json": "torchrun --nproc_per_node 2 bench/vllm_vs_hf.py --out bench/results/vllm_vs_hf.json",
+    "vllm_vs_hf_long.json": "torchrun --nproc_per_node 2 bench/vllm_vs_hf.py --out bench/results/vllm_vs_hf_long.json",
+    "vs_trl.json": "python bench/vs_trl.py",
+}
+
+
+def test_every_results_file_says_who_wrote_it():
+    """Command, commit (as the run started), time, machine and load, written by common.save_json; the per-regime
+    runs under reuse_regimes/ are the raw rows of reuse_regimes.json, which lists them."""
+    missing = set()
+    for path in sorted(RESULTS.glob("*.json")):
+        prov = json.loads(path.read_text()).get("provenance")
+        if prov is None:
+            missing.add(path.name)
+            continue
+        assert {"command", "commit", "uncommitted_changes", "written_at", "machine", "load_average"} <= prov.keys(), path
+        assert prov["command"].startswith("python ") and prov["machine"]["cpus"] >= 1, path
+    assert missing == set(BEFORE_PROVENANCE), f"without provenance: {sorted(missing)}"
+    listed = set(load("reuse_regimes.json")["runs_files"])
+    assert {p.name for p in (RESULTS / "reuse_regimes").glob("*")} == listed
+
