@@ -259,6 +259,12 @@ def time_to(curve: list[dict], target: float) -> float | None:
     return next((c["train_s"] for c in curve if c["accuracy"] >= target), None)
 
 
+def speedup_of(base_t: float | None, t: float | None, budget_s: float) -> float:
+    """trl_mu1's time to the target over a variant's; one that never gets there counts as the budget (a bound)."""
+    base_t, t = budget_s if base_t is None else base_t, budget_s if t is None else t
+    return 1.0 if base_t == t else math.inf if t == 0 else base_t / t
+
+
 def summarize(runs: list[dict], budget_s: float) -> dict:
     by = {v: {r["seed"]: r for r in runs if r["variant"] == v} for v in VARIANTS}
     base = by["trl_mu1"]
@@ -283,7 +289,7 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
         if target is not None and paired:
             base_t = {s: time_to(base[s]["curve"], target) for s in paired}
             # never reached: the budget, so the ratio is a bound
-            ratios = [(base_t[s] or budget_s) / (times[s] or budget_s) for s in paired]
+            ratios = [speedup_of(base_t[s], times[s], budget_s) for s in paired]
             speedup[v] = statistics.median(ratios)
             step_ratio[v] = statistics.median(seeds[s]["s_per_step"] / base[s]["s_per_step"] for s in paired)
             tests = {str(s): mcnemar(base[s]["final_right"], seeds[s]["final_right"]) for s in paired}
@@ -304,6 +310,36 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
         goals["default_beats_mu1_at_equal_time"] = d["final_accuracy_median"] > m["final_accuracy_median"]
     return {"target_accuracy": target, "variants": variants, "speedup_vs_trl_mu1": speedup,
             "step_time_ratio_vs_trl_mu1": step_ratio, "goals_met": goals}
+
+
+def table(result: dict) -> str:
+    """The README's table, from a results file: one row per variant, medians over the seeds run so far."""
+    def med(d: dict, fmt: str) -> str:
+        xs = [x for x in d.values() if x is not None]
+        return format(statistics.median(xs), fmt) if xs else "-"
+
+    def quarters(d: dict) -> str:
+        xs = [q for q in d.values() if q]
+        return (f"{statistics.median(q[0] for q in xs):.2f} -> {statistics.median(q[1] for q in xs):.2f}"
+                if xs else "-")
+
+    rows = ["| variant | seeds | final accuracy | time to target | speed-up vs trl_mu1 | accuracy vs trl_mu1 at "
+            "equal time (pooled McNemar p) | s / optimizer step | vs trl_mu1 | generation share | passes per "
+            "rollout | entropy, first -> last quarter | reward std, first -> last quarter |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v, d in result["variants"].items():
+        times = [f"{t:g} s" if t is not None else f">{result['budget_s']:g} s" for t in d["time_to_target_s"].values()]
+        eq = d.get("equal_time_vs_trl_mu1")
+        eq_s = "-" if v == "trl_mu1" or not eq else f"{eq['accuracy_diff_median']:+.3f} (p={eq['pooled']['p_value']:.2f})"
+        speed = result["speedup_vs_trl_mu1"].get(v)
+        ratio = result["step_time_ratio_vs_trl_mu1"].get(v)
+        rows.append(f"| {v} | {', '.join(map(str, d['seeds']))} | "
+                    f"{', '.join(f'{a:.3f}' for a in d['final_accuracy'].values())} | {', '.join(times)} | "
+                    f"{'-' if speed is None or v == 'trl_mu1' else f'{speed:.2f}x'} | {eq_s} | "
+                    f"{med(d['s_per_step'], '.2f')} | {'-' if ratio is None or v == 'trl_mu1' else f'{ratio:.2f}'} | "
+                    f"{med(d['generation_share'], '.2f')} | {med(d['passes_per_rollout'], '.2f')} | "
+                    f"{quarters(d['entropy_quarters'])} | {quarters(d['reward_std_quarters'])} |")
+    return "\n".join(rows)
 
 
 def plot(runs: list[dict], target: float | None, path: Path) -> None:
@@ -338,11 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for real_vs_trl.json and .png (default: bench/results)")
     ap.add_argument("--workdir", default=None, help="runs, snapshots and evaluations (default: output/real_vs_trl)")
     ap.add_argument("--summarize", action="store_true", help="run nothing new: summarize what is on disk")
+    ap.add_argument("--table", action="store_true", help="print the README's table from the results file, and stop")
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="run only these of the seeds (a session too short for all); the runs of other seeds already "
                          "on disk are summarized with them, and the results say which are missing")
     args = ap.parse_args(argv)
     os.chdir(REPO)
+    if args.table:
+        print(table(json.loads(((Path(args.out) if args.out else RESULTS) / "real_vs_trl.json").read_text())))
+        return 0
     from vs_trl import run_env, trl_ds_config, trl_version
 
     from grpo_recipe.config.load import load_config

@@ -312,3 +312,15 @@ def test_real_vs_trl_smoke(tmp_path):
     assert r["selection"][0]["n"] == r["eval_n"] == 8 and "pooled" in r["variants"]["ours_default"]["equal_time_vs_trl_mu1"]
     assert r["provenance"]["command"].endswith("--smoke --out " + str(tmp_path) + " --workdir " + str(tmp_path / "work"))
     assert_plot(tmp_path / "real_vs_trl.png", 880, 550)
+    rows = bench(tmp_path, "real_vs_trl.py", "--table", "--out", str(tmp_path)).stdout.splitlines()
+    assert len(rows) == 2 + 4 and [row.split(" | ")[0] for row in rows[2:]] == [f"| {v}" for v in r["variants"]]
+
+
+def test_real_vs_trl_speedup_counts_a_target_never_reached_as_the_budget():
+    sys.path.insert(0, str(REPO / "bench"))
+    from real_vs_trl import speedup_of
+
+    assert speedup_of(720.0, 360.0, 720.0) == 2.0  # reached in half trl_mu1's time
+    assert speedup_of(None, 360.0, 720.0) == 2.0  # trl_mu1 never got there: a bound
+    assert speedup_of(360.0, None, 720.0) == 0.5
+    assert speedup_of(0.0, 0.0, 720.0) == 1.0  # already there untrained: no speed-up to claim
