@@ -62,11 +62,16 @@ CANDIDATES = [
     ("gcd of values 1-50, steps", "gcd", {"min_value": 1, "max_value": 50}, "steps"),
 ]
 # The recipe config both sides follow (grpo_recipe/configs/smollm2_arith.yaml plus these); frozen.
+# This is the second frozen design. The first (temperature 1.0, rewards correctness + 0.2 x format_reward) was
+# abandoned after its first run, trl_mu1 seed 0 (bench/results/real_vs_trl_v1.json): at temperature 1.0 almost no
+# sample was right (correctness 0-6% per step), so the format term was the only signal, completions shrank from 78
+# to 6 tokens of "Answer: <guess>" and held-out accuracy fell 0.157 -> 0.047 -> 0.010. The metric (accuracy) is now
+# the only reward, sampled at the shipped example's temperature; everything else is unchanged, on both sides.
 CONFIG = "grpo_recipe/configs/smollm2_arith.yaml"
-HYPER = {"max_completion_length": 128, "temperature": 1.0, "num_generations": 8, "per_device_train_batch_size": 16,
+HYPER = {"max_completion_length": 128, "temperature": 0.6, "num_generations": 8, "per_device_train_batch_size": 16,
          "gradient_accumulation_steps": 1, "optimizer_steps_per_pass": 1, "learning_rate": 3e-5, "loss_type": "dapo",
          "beta": 0.0, "max_prompt_length": 128, "max_steps": 100000, "save_steps": 0, "logging_steps": 1,
-         "disable_tqdm": True}
+         "disable_tqdm": True, "reward_funcs": ["grpo_recipe.examples.arith_rewards:correctness"]}
 VARIANTS = {"trl_mu1": ("trl", 1), "trl_mu4": ("trl", 4), "ours_mu1": ("ours", 1), "ours_default": ("ours", None)}
 SEEDS = [0, 1, 2]
 BUDGET_S = 720.0  # training seconds per run
