@@ -343,9 +343,10 @@ def table(result: dict) -> str:
             "rollout | entropy, first -> last quarter | reward std, first -> last quarter |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v, d in result["variants"].items():
-        times = [f"{t:g} s" if t is not None else f">{result['budget_s']:g} s" for t in d["time_to_target_s"].values()]
+        times = [f">{result['budget_s']:g} s" if t is None else "0 s (untrained)" if t == 0 else f"{t:g} s"
+                 for t in d["time_to_target_s"].values()]
         eq = d.get("equal_time_vs_trl_mu1")
-        eq_s = "-" if v == "trl_mu1" or not eq else f"{eq['accuracy_diff_median']:+.3f} (p={eq['pooled']['p_value']:.2f})"
+        eq_s = "-" if v == "trl_mu1" or not eq else f"{eq['accuracy_diff_median']:+.3f} (p={eq['pooled']['p_value']:.2g})"
         speed = result["speedup_vs_trl_mu1"].get(v)
         ratio = result["step_time_ratio_vs_trl_mu1"].get(v)
         rows.append(f"| {v} | {', '.join(map(str, d['seeds']))} | "
