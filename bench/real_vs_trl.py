@@ -185,10 +185,12 @@ def one_run(variant: str, seed: int, ctx: dict) -> dict:
     run_dir = ctx["work"] / f"{variant}-seed{seed}"
     snaps = run_dir / "snapshots"
     points = [round(f * ctx["budget_s"], 3) for f in ctx["points"]]
-    done = snaps / "snapshots.json"
+    done, record = snaps / "snapshots.json", run_dir / "result.json"
+    if complete_on_disk(run_dir, len(points)) and record.is_file():  # evaluated already: its own load figures
+        return json.loads(record.read_text())
     env = {**ctx["env"], "BUDGET_SPEC": json.dumps({"points": points, "dir": str(snaps)})}
     load = [os.getloadavg()[0]]
-    if not (done.is_file() and len(json.loads(done.read_text())) == len(points)):
+    if not complete_on_disk(run_dir, len(points)):
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         if impl == "ours":
@@ -220,8 +222,35 @@ def one_run(variant: str, seed: int, ctx: dict) -> dict:
         curve.append({"train_s": t["point_s"], "step": t["step"], "accuracy": r["accuracy"], "correct": r["correct"],
                       "n": r["n"], "eval_s": r["eval_s"]})
         right[t["point_s"]] = r["right"]
-    return {"variant": variant, "seed": seed, "curve": curve, "final_accuracy": curve[-1]["accuracy"],
-            "final_right": right[taken[-1]["point_s"]], "load_1m": load, **stats}
+    result = {"variant": variant, "seed": seed, "curve": curve, "final_accuracy": curve[-1]["accuracy"],
+              "final_right": "".join("1" if x else "0" for x in right[taken[-1]["point_s"]]), "load_1m": load, **stats}
+    record.write_text(json.dumps(result))
+    return result
+
+
+def complete_on_disk(run_dir: Path, n_points: int) -> bool:
+    done = run_dir / "snapshots" / "snapshots.json"
+    return done.is_file() and len(json.loads(done.read_text())) == n_points
+
+
+def measured_before(out: Path, design: dict) -> dict:
+    """The runs of an earlier invocation of the same design, from its results file: a session's machine keeps no
+    run folders, so a seed finished in one session is summarized with those of the next. Runs written before
+    the per-question answers were kept carry their McNemar counts against trl_mu1 instead."""
+    path = out / "real_vs_trl.json"
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    if {k: old.get(k) for k in design} != design:
+        print(f"real_vs_trl: {path} is of another design; none of its runs is kept", file=sys.stderr)
+        return {}
+    kept = {}
+    for r in old["runs"]:
+        if "final_right" not in r:
+            r["vs_trl_mu1"] = old["variants"][r["variant"]].get("equal_time_vs_trl_mu1", {}).get(
+                "per_seed", {}).get(str(r["seed"]))
+        kept[(r["variant"], r["seed"])] = r
+    return kept
 
 
 def run_stats(impl: str, run_dir: Path, mu: int | None) -> dict:
@@ -261,10 +290,13 @@ def run_stats(impl: str, run_dir: Path, mu: int | None) -> dict:
 # ------------------------------------------------------------------------------------------
 # the summary
 # ------------------------------------------------------------------------------------------
-def mcnemar(a: list[int], b: list[int]) -> dict:
-    """Exact two-sided McNemar test of paired right/wrong: b_only = right for b only, a_only = for a only."""
-    a_only = sum(1 for x, y in zip(a, b) if x and not y)
-    b_only = sum(1 for x, y in zip(a, b) if y and not x)
+def mcnemar(a: str, b: str) -> dict:
+    """Exact two-sided McNemar test of paired right/wrong ("0"/"1" per question): b_only = right for b only,
+    a_only = for a only."""
+    return mcnemar_counts(sum(1 for x, y in zip(a, b) if x == "1" != y), sum(1 for x, y in zip(a, b) if y == "1" != x))
+
+
+def mcnemar_counts(a_only: int, b_only: int) -> dict:
     n = a_only + b_only
     p = 1.0 if n == 0 else min(1.0, 2 * sum(math.comb(n, k) for k in range(min(a_only, b_only) + 1)) / 2 ** n)
     return {"a_only": a_only, "b_only": b_only, "p_value": p}
@@ -307,9 +339,11 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
             ratios = [speedup_of(base_t[s], times[s], budget_s) for s in paired]
             speedup[v] = statistics.median(ratios)
             step_ratio[v] = statistics.median(seeds[s]["s_per_step"] / base[s]["s_per_step"] for s in paired)
-            tests = {str(s): mcnemar(base[s]["final_right"], seeds[s]["final_right"]) for s in paired}
-            pooled = mcnemar([x for s in paired for x in base[s]["final_right"]],
-                             [x for s in paired for x in seeds[s]["final_right"]])
+            tests = {str(s): mcnemar(base[s]["final_right"], seeds[s]["final_right"])
+                     if "final_right" in base[s] and "final_right" in seeds[s] else seeds[s].get("vs_trl_mu1")
+                     for s in paired}
+            tests = {s: t for s, t in tests.items() if t is not None}  # a run kept without its answers: no test
+            pooled = mcnemar_counts(sum(t["a_only"] for t in tests.values()), sum(t["b_only"] for t in tests.values()))
             variants[v]["equal_time_vs_trl_mu1"] = {"per_seed": tests, "pooled": pooled,
                                                     "accuracy_diff_median": statistics.median(
                                                         seeds[s]["final_accuracy"] - base[s]["final_accuracy"]
@@ -338,9 +372,9 @@ def table(result: dict) -> str:
         return (f"{statistics.median(q[0] for q in xs):.2f} -> {statistics.median(q[1] for q in xs):.2f}"
                 if xs else "-")
 
-    rows = ["| variant | seeds | final accuracy | time to target | speed-up vs trl_mu1 | accuracy vs trl_mu1 at "
+    rows = [("| variant | seeds | final accuracy | time to target | speed-up vs trl_mu1 | accuracy vs trl_mu1 at "
             "equal time (pooled McNemar p) | s / optimizer step | vs trl_mu1 | generation share | passes per "
-            "rollout | entropy, first -> last quarter | reward std, first -> last quarter |",
+            "rollout | entropy, first -> last quarter | reward std, first -> last quarter |"),
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v, d in result["variants"].items():
         times = [f">{result['budget_s']:g} s" if t is None else "0 s (untrained)" if t == 0 else f"{t:g} s"
@@ -446,8 +480,17 @@ def main(argv: list[str] | None = None) -> int:
     runs, order = [], list(VARIANTS) if pilot is None else ["trl_mu1"]
     planned = [(seed, v) for i, seed in enumerate(seeds)
                for v in order[i % len(order):] + order[:i % len(order)]]  # rotated: load drifts hit every variant
+    n_points = len(ctx["points"])
+    design = {"hyperparameters": {"config": CONFIG, **hyper}, "budget_s": budget_s, "eval_n": eval_n,
+              "eval_max_new_tokens": eval_tokens, "snapshot_points_s": [round(f * budget_s, 3) for f in ctx["points"]],
+              "trl_version": version, "smoke": args.smoke, "pilot": args.pilot}
+    before = measured_before(out, design)
     for seed, variant in planned:
-        on_disk = (runs_root / f"{variant}-seed{seed}" / "snapshots" / "snapshots.json").is_file()
+        on_disk = complete_on_disk(runs_root / f"{variant}-seed{seed}", n_points)
+        if not on_disk and (variant, seed) in before:
+            runs.append(before[(variant, seed)])
+            print(f"real_vs_trl: {variant} seed {seed}: kept from {out / 'real_vs_trl.json'}", file=sys.stderr)
+            continue
         if (args.summarize or (args.seeds and seed not in args.seeds)) and not on_disk:
             continue
         runs.append(one_run(variant, seed, ctx))
@@ -481,7 +524,7 @@ def write(out: Path, args, argv, ctx: dict, runs: list[dict], selection: list, u
         "load_1m_during_runs": [x for r in runs for x in r["load_1m"]], "total_wall_s": time.perf_counter() - t_start,
         "commands": {"benchmark": "python bench/real_vs_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "env": "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu per rank (2 ranks, torchrun)"},
-        "runs": [{k: v for k, v in r.items() if k != "final_right"} for r in runs],
+        "runs": runs,
     }
     path = save_json("real_vs_trl.json", result, out)
     plot(runs, summary["target_accuracy"], out / "real_vs_trl.png")
