@@ -8,7 +8,7 @@ reward (0 for the length reward); reported for f = 0.5 and 0.8.
 
     python bench/mu_sweep.py --mus 1 2 4 8 auto --seeds 0 1 2 --steps 160
 
-`auto` is num_iterations: auto (the default; mu decided per rollout), its steps counted like any mu's.
+`auto` is num_iterations: auto (mu decided per rollout), its steps counted like any mu's.
 """
 from __future__ import annotations
 

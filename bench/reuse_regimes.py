@@ -146,7 +146,7 @@ VARIANTS = {
     "8": ["--num_iterations", "8"],
     "4+kl5e-4": ["--num_iterations", "4", "--reuse_target_kl", "5e-4"],
     "4+kl2e-3": ["--num_iterations", "4", "--reuse_target_kl", "2e-3"],
-    "auto": ["--num_iterations", "auto"],  # the default: mu decided per rollout, at most 8, KL_max 3.6e-3 (grpo_recipe/algo/reuse.py)
+    "auto": ["--num_iterations", "auto"],  # mu decided per rollout, at most 8, KL_max 3.6e-3 (grpo_recipe/algo/reuse.py)
     # the default until 2026-12-04 (at most 4 passes); its runs were the map's `auto` until then
     "auto_cap4": ["--num_iterations", "auto", "--reuse_max_iterations", "4"],
     # the default until KL_max doubled: set while the cap was 8, to stop passes 5-8, it cut passes 2-4 at the cap of 4

@@ -268,10 +268,27 @@ def test_a_checkpoint_from_the_cap_of_4_names_the_flag_that_resumes_it(tmp_path)
 
     folder = tmp_path / "step-1"
     folder.mkdir()
-    (folder / "meta.json").write_text(json.dumps({"config": Config(reuse_max_iterations=4).to_dict(), "world_size": 1}))
+    saved = Config(num_iterations="auto", reuse_max_iterations=4).to_dict()
+    (folder / "meta.json").write_text(json.dumps({"config": saved, "world_size": 1}))
     with pytest.raises(CheckpointError, match=r"the config differs in reuse_max_iterations: 4 -> 8"):
+        Checkpointer(Config(num_iterations="auto"), 0, 1).check_config(folder)
+    Checkpointer(Config(num_iterations="auto", reuse_max_iterations=4), 0, 1).check_config(folder)
+
+
+def test_a_checkpoint_of_the_former_default_auto_names_the_flag_that_resumes_it(tmp_path):
+    """The default went from num_iterations: auto back to 1 (TRL's) after the real-model comparison: a run that
+    relied on the former default is refused naming the field (the README's advice: --num_iterations auto), and
+    resumes so."""
+    import json
+
+    from grpo_recipe.config.schema import Config
+
+    folder = tmp_path / "step-1"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"config": Config(num_iterations="auto").to_dict(), "world_size": 1}))
+    with pytest.raises(CheckpointError, match=r"the config differs in num_iterations: 'auto' -> 1"):
         Checkpointer(Config(), 0, 1).check_config(folder)
-    Checkpointer(Config(reuse_max_iterations=4), 0, 1).check_config(folder)
+    Checkpointer(Config(num_iterations="auto"), 0, 1).check_config(folder)
 
 
 def test_a_checkpoint_from_before_trls_loss_fields_resumes_only_into_the_behaviour_it_trained_with():

@@ -129,7 +129,7 @@ def test_quickstart_end_to_end_reward_rises(tmp_path):
     assert len(records) == 160 and REQUIRED_KEYS <= set(records[0])
     first, last = reward_quarters(records)
     assert last > first + 5.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
-    # num_iterations: auto, the default: each rollout but the last (cut by max_steps) replayed at least once (its
+    # num_iterations: auto (the quickstart's): each rollout but the last (cut by max_steps) replayed at least once (its
     # first pass is on-policy), none past the cap of 4 passes; each step logs the KL target its decision used
     passes = [r["passes_used"] for r in records if r["step"] == len(records) or
               records[r["step"]]["generation"] != r["generation"]]

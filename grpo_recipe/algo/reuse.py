@@ -4,7 +4,7 @@ Fixed mu (`num_iterations: N`): N passes per rollout, unless `reuse_target_kl` (
 to the sampling policy, k3 on the loss's own ratios) or `reuse_max_clip_fraction` (its clipped-token fraction)
 is exceeded, which skips the rollout's remaining passes.
 
-`num_iterations: auto` (the default): a replayed pass costs one pass of training, T_train; a fresh rollout costs
+`num_iterations: auto`: a replayed pass costs one pass of training, T_train; a fresh rollout costs
 T_gen + T_train (generation, scoring, weight sync, old log-probs). With g = T_gen / (T_gen + T_train),
 generation's share of a mu = 1 step, a replay pays when it is worth more than 1 - g of a fresh pass. Taking a
 replay's worth as 1 - KL / KL_max, KL the drift it will run at and KL_max (`reuse_max_kl`) the drift at which a

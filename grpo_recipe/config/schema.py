@@ -109,8 +109,8 @@ class Config:
                                           "run stops naming it (a stop signal also cuts it short); 0 = no bound")
     scale_rewards: str = opt("group", "std dividing the centered rewards: group, batch (all ranks) or none")
     # --- GRPO --------------------------------------------------------------------------
-    num_iterations: int | str = opt("auto", "mu: optimizer passes over each rollout, or auto: decided after each "
-                                    "pass, at most reuse_max_iterations (docs: algorithm, reuse)")
+    num_iterations: int | str = opt(1, "mu: optimizer passes over each rollout (1, as TRL), or auto: decided after "
+                                    "each pass, at most reuse_max_iterations (docs: algorithm, reuse)")
     epsilon: float = opt(0.2, "clip range low: ratios below 1 - epsilon are clipped")
     epsilon_high: float | None = opt(None, "clip range high (1 + epsilon_high); null = epsilon. cispo: the ratio "
                                      "cap itself (ScaleRL: 5.0)")
