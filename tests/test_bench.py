@@ -324,3 +324,27 @@ def test_real_vs_trl_speedup_counts_a_target_never_reached_as_the_budget():
     assert speedup_of(None, 360.0, 720.0) == 2.0  # trl_mu1 never got there: a bound
     assert speedup_of(360.0, None, 720.0) == 0.5
     assert speedup_of(0.0, 0.0, 720.0) == 1.0  # already there untrained: no speed-up to claim
+
+
+def test_real_vs_trl_keeps_the_runs_of_the_same_design_from_its_results_file(tmp_path):
+    """A seed finished in one session is summarized with those of the next: runs come back from the results file
+    when its design matches, none when it does not; a run kept without its answers brings its McNemar counts, and
+    the pooled test is the sum of the per-seed counts (the same as the test on the concatenated answers)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from real_vs_trl import mcnemar, mcnemar_counts, measured_before
+
+    design = {"budget_s": 720.0, "eval_n": 300}
+    runs = [{"variant": "trl_mu1", "seed": 0, "final_right": "0110"},
+            {"variant": "ours_mu1", "seed": 0}]
+    counts = {"a_only": 3, "b_only": 46, "p_value": 7e-11}
+    variants = {"trl_mu1": {}, "ours_mu1": {"equal_time_vs_trl_mu1": {"per_seed": {"0": counts}}}}
+    (tmp_path / "real_vs_trl.json").write_text(json.dumps({**design, "runs": runs, "variants": variants}))
+    kept = measured_before(tmp_path, design)
+    assert set(kept) == {("trl_mu1", 0), ("ours_mu1", 0)} and kept[("ours_mu1", 0)]["vs_trl_mu1"] == counts
+    assert measured_before(tmp_path, {**design, "budget_s": 360.0}) == {}
+    assert measured_before(tmp_path / "nowhere", design) == {}
+    a, b, c, d = "1100", "0111", "1010", "1111"
+    pooled = mcnemar(a + c, b + d)
+    by_seed = [mcnemar(a, b), mcnemar(c, d)]
+    assert pooled == mcnemar_counts(sum(t["a_only"] for t in by_seed), sum(t["b_only"] for t in by_seed))
+    assert mcnemar(a, b) == {"a_only": 1, "b_only": 2, "p_value": 1.0}
