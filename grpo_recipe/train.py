@@ -37,7 +37,9 @@ from grpo_recipe.data.prompts import DataError, PromptStream, check_prompts, loa
 from grpo_recipe.dist import liveness
 from grpo_recipe.dist.env import PREEMPTED_EXIT_CODE
 from grpo_recipe.dist.group import all_reduce_named, first_error, init_distributed
+from grpo_recipe.dist.link import layout
 from grpo_recipe.generation import GenerationError, Generator, build_generator, generate_on_every_rank, rollout_seed
+from grpo_recipe.generation.remote import serve
 from grpo_recipe.generation.vllm import VLLMUnavailable
 from grpo_recipe.model import engine as eng
 from grpo_recipe.model.load import load_model, load_tokenizer
@@ -89,6 +91,7 @@ class LoopState:
     stats: dict | None = None  # its reward and completion statistics (part of each of its steps' records)
     samples: list | None = None  # rank 0, log_completions_steps: a few of its completions with rewards, advantages
     reuse: dict | None = None  # the adaptive-reuse controller's state
+    generator: dict | None = None  # generation_ranks, max_staleness 1: the next rollout, received ahead of its turn
     old_logp_forwards: int = 0  # cumulative, logged with every step
     prompts_truncated: int = 0  # cumulative, logged with every step
     nonfinite_steps: int = 0  # steps skipped for a non-finite loss or gradient norm, logged with every step
@@ -130,7 +133,7 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
         check_answer_columns(rewards, prompts.column_names)
     if signals.pending():  # before the process group and the output folder: nothing is touched yet
         raise StoppedAtStartup(f"stopped by {signals.pending()} during start-up, before anything was written")
-    rank, world = init_distributed(cfg.collective_timeout_s)
+    rank, world = init_distributed(cfg.collective_timeout_s, cfg.generation_ranks)  # world: the training ranks
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
@@ -148,6 +151,7 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     state = LoopState()
     if resume_from is not None:
         state = LoopState.from_state_dict(checkpointer.load(resume_from, engine))
+        generator.load_state_dict(state.generator)
         generator.sync(engine)
         if rank == 0:
             print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
@@ -202,7 +206,8 @@ def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
     the last update broke the weights."""
     seed = rollout_seed(run.cfg.seed, rollout, run.rank, run.world)
     try:
-        return generate_on_every_rank(run.generator, prompt_ids, f"generation of rollout {rollout}", seed=seed)
+        return generate_on_every_rank(run.generator, prompt_ids, f"generation of rollout {rollout}", seed=seed,
+                                      rollout=rollout)
     except GenerationError as e:
         if re.search(r"\b(nan|inf)\b", str(e), re.IGNORECASE):
             raise NonFiniteError(f"{e}: the policy is no longer finite after the last update; resume from an "
@@ -229,7 +234,7 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     liveness.set_phase(f"rollout {rollout}: reward statistics (all ranks)")
     zero_std = zero_std_groups(rewards, G)
     stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, sum(map(len, rows.prompt_ids)),
-                          error is not None, zero_std)
+                          error is not None, zero_std) | run.generator.stats  # generation_ranks: this rank's lag
     if stats.pop("failed_ranks"):  # every rank names the function that failed (or was stopped), wherever it ran
         failed_rank, message = first_error(None if error is None else str(error))
         message = message if failed_rank == run.rank else f"{message} (on rank {failed_rank})"
@@ -276,6 +281,11 @@ def report(run: Run, state: LoopState, logger: MetricsLogger, record: dict) -> N
     logger.advance(record)
 
 
+def save(run: Run, state: LoopState) -> None:
+    state.generator = run.generator.state_dict()  # a rollout in flight is part of where the loop is
+    run.checkpointer.save(run.engine, state.step, state.state_dict())
+
+
 def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
     """The loop, from `state` on (updated in place). Returns the step records and whether it stopped early for
     a signal (after a checkpoint)."""
@@ -297,7 +307,7 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
                 state.buffer, state.stats, state.samples = collect_rollout(run, state.rollout, timer)
             except RewardStopped as e:  # a stop signal cut a reward short on some rank: the last step is safe
                 if state.step != (ckpt.saved_step or 0):
-                    ckpt.save(run.engine, state.step, state.state_dict())
+                    save(run, state)
                 logger.close()
                 if run.rank == 0:
                     print(f"note: {e}; the rollout it scored is dropped (resuming generates it again)",
@@ -323,7 +333,7 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             # checkpoint on schedule, at the end, or when a signal asks every rank to stop
             stop, finished = ckpt.stop_requested(), state.step >= cfg.max_steps
             if stop or ckpt.should_save(state.step) or (finished and cfg.save_steps > 0):
-                ckpt.save(run.engine, state.step, state.state_dict())
+                save(run, state)
             if stop or finished:
                 logger.close()
                 return records, stop and not finished
@@ -376,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         say_error(f"config error: {e}")
         return 2
+    if cfg.generation_ranks and layout(cfg.generation_ranks).is_generator:
+        try:
+            return serve(cfg)  # until the training ranks say stop
+        except (ConfigError, DataError) as e:
+            say_error(f"error (generation rank {os.environ.get('RANK')}): {e}")
+            return 2
     try:
         run, state = setup(cfg)
     except StoppedAtStartup as e:

@@ -49,6 +49,18 @@ def test_mu_sweep_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_separate_generation_smoke(tmp_path):
+    bench(tmp_path, "separate_generation.py", "--seeds", "0", "--steps", "3")
+    r = written(tmp_path / "separate_generation.json")
+    assert set(r["variants"]) == {"colocated", "separate_s0", "separate_s1"}
+    lag = {run["variant"]: [row["staleness_steps"] for row in run["rollouts"]] for run in r["runs"]}
+    assert lag == {"colocated": [0, 0, 0], "separate_s0": [0, 0, 0], "separate_s1": [0, 1, 1]}
+    m = r["own_devices_model"]
+    assert m["speedup_extra_devices"] > 0 and m["speedup_same_devices"] < m["speedup_extra_devices"]
+    assert r["variants"]["separate_s1"]["generator_busy_s"] > 0
+
+
+@pytest.mark.slow
 def test_breakdown_smoke(tmp_path):
     bench(tmp_path, "breakdown.py", "--steps", "2", "--no-grid")
     r = written(tmp_path / "breakdown.json")

@@ -29,9 +29,16 @@ def loss_spec(cfg: Config) -> LossSpec:
                     cfg.use_bias_correction_kl, cfg.entropy_coef)
 
 
+def sampler_is_apart(cfg: Config) -> bool:
+    """Whether the samples come from another copy of the policy than the trainer's (vLLM's kernels, or a
+    generation rank's copy, maybe one sync behind), whose own log-probs come with them."""
+    return cfg.generation_backend == "vllm" or cfg.generation_ranks > 0
+
+
 def corrects_sampler(cfg: Config) -> bool:
-    """Whether the loss weighs vLLM's drift from the trainer (the hf backend samples with the trainer's weights)."""
-    return cfg.generation_backend == "vllm" and cfg.vllm_importance_sampling_correction
+    """Whether the loss weighs the sampler's drift from the trainer (colocated hf samples with the trainer's own
+    weights)."""
+    return sampler_is_apart(cfg) and cfg.vllm_importance_sampling_correction
 
 
 @dataclass
@@ -165,7 +172,7 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
         if cfg.beta > 0.0:
             with torch.no_grad():
                 ref_logp = forward_logps(ref, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature)
-        is_weights, sampling = None, mb["sampling_logps"] if cfg.generation_backend == "vllm" else None
+        is_weights, sampling = None, mb["sampling_logps"] if sampler_is_apart(cfg) else None
         if correct:  # the sampler's drift from the old policy
             is_weights, is_ratio = sampler_is_weights(old, sampling, mask, cfg.vllm_importance_sampling_mode,
                                                       cfg.vllm_importance_sampling_clip_min,

@@ -77,6 +77,11 @@ class Config:
     max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens")
     # --- generation --------------------------------------------------------------------
     generation_backend: str = opt("hf", "hf (transformers generate on the training weights) or vllm (colocated engine)")
+    generation_ranks: int = opt(0, "ranks of the launch (its last ones) that only generate, with transformers "
+                                "generate on a whole copy of the policy; 0 = every rank generates, then trains")
+    max_staleness: int = opt(0, "with generation_ranks: 1 = rollout k + 1 is generated while rollout k trains, from "
+                                "weights one sync older (the loss corrects the lag: vllm_importance_sampling_*); "
+                                "0 = the generators wait for the new weights")
     hf_generation_gather: str = opt("full", "hf under ZeRO-3: full = gather the whole model once per rollout (fast; "
                                     "it must fit one device), per_layer = ZeRO-3 gathers each layer as it runs")
     num_generations: int = opt(8, "G: completions per prompt (a group; all G are generated on one rank)")
@@ -327,6 +332,23 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
     if cfg.generation_backend == "vllm":
         validate_vllm(cfg, world_size)
+    validate_generation_ranks(cfg, world_size)
+
+
+def validate_generation_ranks(cfg: Config, world_size: int) -> None:
+    n = cfg.generation_ranks
+    need(n >= 0, f"generation_ranks: must be >= 0, got {n}")
+    need(cfg.max_staleness in (0, 1), f"max_staleness: must be 0 or 1, got {cfg.max_staleness}")
+    need(n > 0 or cfg.max_staleness == 0, "max_staleness: 1 needs generation_ranks >= 1 (a rollout can only be "
+         "generated while another trains on ranks that do not train)")
+    if n == 0:
+        return
+    need(n < world_size, f"generation_ranks: {n} leaves no training rank in a launch of {world_size} rank(s); "
+         f"launch at least {n + 1} ranks (e.g. NPROC={n + 2} launch/local.sh ...)")
+    need(cfg.generation_backend == "hf", "generation_ranks: the generation ranks run transformers' generate; "
+         "generation_backend: vllm is colocated only (set generation_backend: hf or generation_ranks: 0)")
+    need(cfg.hf_generation_gather == "full", "hf_generation_gather: per_layer is for colocated generation; "
+         "a generation rank holds the whole policy")
 
 
 def check_sampling_is_scored(cfg: Config) -> None:

@@ -10,11 +10,13 @@ import torch
 from grpo_recipe.dist.env import free_port
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tuple[int, int]:
     """Join the launcher's process group (local.sh, the Slurm script, torchrun, deepspeed) or make a 1-rank one.
 
     Collectives give up after `timeout_s` (a stopped rank then ends the run, grpo_recipe/dist/liveness.py); the store and
-    the backend listen on the launcher's address only (dist/rendezvous.py).
+    the backend listen on the launcher's address only (dist/rendezvous.py). With `generation_ranks` N the
+    process group is the training ranks' alone (the launch's first WORLD_SIZE - N ranks), and the link to the
+    generation ranks is made (dist/link.py). Returns this rank and the process group's size.
     """
     import datetime
     import warnings
@@ -40,7 +42,16 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     store = rendezvous.store_for_rank(rank, world, timeout_s)
-    if store is None:
+    lay = None
+    if generation_ranks:
+        from grpo_recipe.dist import link
+
+        lay = link.layout(generation_ranks)
+        store = store if store is not None else link.launch_store(timeout_s)
+        os.environ.update(link.role_env(lay))  # DeepSpeed reads them: the training ranks' world
+        torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("grpo/train/", store),
+                                             rank=rank, world_size=lay.trainers, timeout=timeout)
+    elif store is None:
         torch.distributed.init_process_group(backend, timeout=timeout)
     else:
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
@@ -48,8 +59,14 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     # a group left to interpreter teardown can abort the process ("terminate called without an active
     # exception") after its work is done; atexit runs this after liveness stops its heartbeat (registered later)
     atexit.register(_destroy_process_group)
-    liveness.start(rank, world, timeout_s)
+    if lay is not None:
+        link.connect(lay, timeout_s, store)
+        _keep.append(store)  # rank 0 may host it: it must outlive every rank's use
+    liveness.start(rank, world, timeout_s)  # the launch's ranks: a silent generation rank is named too
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+_keep: list = []
 
 
 def _destroy_process_group() -> None:

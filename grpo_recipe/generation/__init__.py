@@ -1,5 +1,5 @@
 """Generation backends behind one small interface (`base.py`: generate, sync, close): `hf.py` and `vllm.py`.
-`build_generator` picks the config's; the training loop never asks which one it has. Imports config, dist, algo,
+`remote.py`: generation on ranks of its own (`generation_ranks`). `build_generator` picks the config's; the training loop never asks which one it has. Imports config, dist, algo,
 data and model.
 """
 from __future__ import annotations
@@ -18,6 +18,10 @@ __all__ = ["Completions", "GenerationError", "Generator", "build_generator", "fi
 
 
 def build_generator(cfg, engine, tokenizer) -> Generator:
+    if cfg.generation_ranks:
+        from grpo_recipe.generation.remote import RemoteGenerator
+
+        return RemoteGenerator(cfg, engine, tokenizer)
     if cfg.generation_backend == "hf":
         from grpo_recipe.generation.hf import HFGenerator
 

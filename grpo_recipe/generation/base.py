@@ -1,9 +1,12 @@
 """The generation backends' one interface; the training loop never asks which backend it has.
 
-    generate(prompt_ids, seed, n=None, greedy=False) -> Completions
+    generate(prompt_ids, seed, n=None, greedy=False, rollout=None) -> Completions
                                                 # n (default num_generations) samples per prompt, group-contiguous;
-                                                # greedy: one argmax decoding per prompt (evaluation)
+                                                # greedy: one argmax decoding per prompt (evaluation); rollout:
+                                                # which training rollout the prompts are (None: evaluation)
     sync(engine)                                # make the backend see the engine's current weights
+    stats                                       # the last rollout's generation metrics (logged with it)
+    state_dict() / load_state_dict(state)       # what a checkpoint must keep (a rollout in flight), or None
     close()
 """
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Protocol
 import torch
 
 from grpo_recipe.dist.group import first_error
+from grpo_recipe.dist.liveness import is_collective_failure
 
 
 @dataclass
@@ -28,11 +32,16 @@ class Completions:
 
 class Generator(Protocol):
     syncs: int  # weight syncs done so far
+    stats: dict  # metrics of the last training rollout's generation (empty when the backend has none)
 
     def generate(self, prompt_ids: list[list[int]], seed: int, n: int | None = None,
-                 greedy: bool = False) -> Completions: ...
+                 greedy: bool = False, rollout: int | None = None) -> Completions: ...
 
     def sync(self, engine) -> None: ...
+
+    def state_dict(self) -> dict | None: ...
+
+    def load_state_dict(self, state: dict | None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -54,6 +63,8 @@ def generate_on_every_rank(generator: Generator, prompt_ids: list[list[int]], wh
     try:
         comp, error = generator.generate(prompt_ids, **kw), None
     except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+        if is_collective_failure(e):  # a generation rank stopped answering: dist/liveness.py names it
+            raise
         traceback.print_exc()
         comp, error = None, f"{type(e).__name__}: {' '.join(str(e).split())}"
     failure = first_error(error)

@@ -1,5 +1,8 @@
-"""transformers' `generate` on the training engine's own weights: gathered once per rollout, or layer by layer."""
+"""transformers' `generate` on the training engine's own weights (gathered once per rollout, or layer by layer),
+or on a plain model (a generation rank's copy, generation/remote.py)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -25,12 +28,15 @@ def stop_criteria(stops: list[str], tokenizer, prompt_width: int):
 
 
 class HFGenerator:
-    def __init__(self, cfg, engine, tokenizer):
+    def __init__(self, cfg, engine, tokenizer, model=None, with_logps: bool = False):
+        """On `engine`'s weights, or on `model` (plain, whole) when given; `with_logps`: report the sampler's
+        log-probs of softmax(logits / temperature), as the trainer scores them."""
         from transformers import GenerationConfig
 
-        self.cfg, self.engine, self.tok = cfg, engine, tokenizer
+        self.cfg, self.engine, self.tok, self.model, self.with_logps = cfg, engine, tokenizer, model, with_logps
         self.syncs = 0  # never needed: generation reads the live (gathered) parameters
-        self.per_layer = cfg.hf_generation_gather == "per_layer"
+        self.stats: dict = {}
+        self.per_layer = cfg.hf_generation_gather == "per_layer" and model is None
         # per-layer gathering is collective at every forward: ranks whose samples all ended keep stepping
         self.synced = self.per_layer and dist.is_initialized() and dist.get_world_size() > 1
         # Explicit, so a model's own generation_config.json cannot change the sampling.
@@ -45,24 +51,38 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seed: int, n: int | None = None,
-                 greedy: bool = False) -> Completions:
+                 greedy: bool = False, rollout: int | None = None) -> Completions:
         n = 1 if greedy else n or self.cfg.num_generations
         ids, attn = left_pad([p for p in prompt_ids for _ in range(n)], self.tok.pad_token_id)
         width, dev = ids.shape[1], device()
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
-                gathered_for_generation(self.engine, self.per_layer) as model:
+        logps = self.with_logps and not greedy
+        weights = contextlib.nullcontext(self.model) if self.model is not None else \
+            gathered_for_generation(self.engine, self.per_layer)
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), weights as model:
             torch.manual_seed(seed)
             was_training = model.training
             model.eval()
             out = model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev),
                                  generation_config=self.greedy_config if greedy else self.gen_config,
-                                 synced_gpus=self.synced,
+                                 synced_gpus=self.synced, return_dict_in_generate=True, output_logits=logps,
                                  stopping_criteria=stop_criteria(self.cfg.stop, self.tok, width))
             model.train(was_training)
-        return finish(out[:, width:].tolist(), self.tok.eos_token_id, self.tok, self.cfg.max_completion_length,
-                      self.cfg.stop)
+        new = out.sequences[:, width:]
+        comp = finish(new.tolist(), self.tok.eos_token_id, self.tok, self.cfg.max_completion_length, self.cfg.stop)
+        if logps:  # step by step: the logits of a whole rollout at once would be [samples, steps, vocabulary]
+            comp.logps = torch.zeros_like(comp.mask)
+            for i, step_logits in enumerate(out.logits[:comp.mask.shape[1]]):
+                lp = torch.log_softmax(step_logits.float() / self.cfg.temperature, dim=-1)
+                comp.logps[:, i] = lp.gather(-1, new[:, i:i + 1]).squeeze(-1).cpu() * comp.mask[:, i]
+        return comp
 
     def sync(self, engine) -> None:
+        pass
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
         pass
 
     def close(self) -> None:

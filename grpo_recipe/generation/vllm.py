@@ -109,7 +109,7 @@ class VLLMGenerator:
         from vllm import LLM
 
         self.cfg, self.engine, self.tok = cfg, engine, tokenizer
-        self.syncs, self.asleep = 0, False
+        self.syncs, self.asleep, self.stats = 0, False, {}
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotary())
         self.synced_step = engine.global_steps  # vLLM loads the same folder the engine started from
         self.chunk_numel = SYNC_CHUNK_NUMEL
@@ -181,7 +181,7 @@ class VLLMGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seed: int, n: int | None = None,
-                 greedy: bool = False) -> Completions:
+                 greedy: bool = False, rollout: int | None = None) -> Completions:
         if self.engine.global_steps != self.synced_step:  # e.g. a resumed engine: never sample stale weights
             self.sync(self.engine)
         if self.asleep:
@@ -241,6 +241,12 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()
         self.syncs += 1
         self.synced_step = engine.global_steps
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass
 
     def close(self) -> None:
         """Shut the engine down. Its shutdown tears down the default process group: call this last."""
