@@ -141,7 +141,9 @@ def _git(*args: str) -> str:
 
 def _code() -> dict:
     return {"commit": _git("rev-parse", "--short=12", "HEAD"),
-            "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            # results written by earlier benchmarks are not code
+            "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                             ":(exclude)bench/results")),
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
