@@ -18,7 +18,7 @@ def rss():
 big = torch.ones(4 << 20)  # 16 MiB, freed: glibc's default threshold grows to it
 del big
 before = rss()
-blocks = [torch.ones(256 << 10) for _ in range(300)]  # 300 blocks of 1 MiB
+blocks = [torch.ones(512 << 10) for _ in range(150)]  # 150 blocks of 2 MiB (a layer's weights, at least)
 del blocks
 print(configured, (rss() - before) >> 20)
 """
