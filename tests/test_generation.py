@@ -60,3 +60,31 @@ def test_stop_strings_end_completions(tmp_path, backend):
     r = json.loads(out.read_text())[backend]
     assert not r["bad"], f"completions that do not end at EOS, a stop string or max length: {r['bad']}"
     assert r["stopped"] >= r["n"] // 2, f"only {r['stopped']} of {r['n']} samples ended at a stop string"
+
+
+def test_sampler_logps_are_the_picked_tokens_under_the_trainers_scoring(tiny_model_dir):
+    """A generation rank's copy reports, per sampled token, log softmax(logits / T) of the model at that position
+    (what the trainer computes in one forward over prompt + completion), and 0 past a sample's end."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_recipe.algo.buffer import left_pad
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.generation.hf import HFGenerator
+
+    cfg = load_config(["--config", "grpo_recipe/configs/quickstart.yaml", "--model_name_or_path",
+                       str(tiny_model_dir), "--temperature", "0.7", "--max_completion_length", "12"], world_size=1)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    prompts = [tok("Summarize: the cat sat on the mat.")["input_ids"], tok("Hello there")["input_ids"]]
+    comp = HFGenerator(cfg, None, tok, model=model, with_logps=True).generate(prompts, seed=3)
+    assert comp.logps.shape == comp.mask.shape and comp.mask.sum() > len(prompts)
+    n = cfg.num_generations
+    for i, ids in enumerate(comp.ids):
+        prompt = prompts[i // n]
+        full, attn = left_pad([prompt + ids], tok.pad_token_id)
+        with torch.no_grad():
+            logits = model(input_ids=full, attention_mask=attn).logits[0, -len(ids) - 1:-1].float()
+        want = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(comp.logps[i, :len(ids)], want, rtol=1e-4, atol=1e-4)
+        assert (comp.logps[i, len(ids):] == 0).all()

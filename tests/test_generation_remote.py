@@ -1,6 +1,7 @@
 """Generation on its own ranks (grpo_recipe/generation/remote.py, grpo_recipe/dist/link.py): the colocated layout's
 update at max_staleness 0, the lag accounted for at 1 on the quickstart task (whose reward rises), exact resume
 after SIGKILL with a rollout in flight, a stopped generation rank named; the config's errors."""
+import os
 import random
 import signal
 import subprocess
@@ -135,8 +136,6 @@ def test_a_stopped_generation_rank_ends_the_job_naming_it(tmp_path):
     generator = rank_pids(proc.pid)[2]
     stopped = time.monotonic()
     try:
-        import os
-
         os.kill(generator, signal.SIGSTOP)
         _, err = proc.communicate(timeout=180)
     finally:

@@ -27,6 +27,28 @@ def stop_criteria(stops: list[str], tokenizer, prompt_width: int):
     return StoppingCriteriaList([_Stop()]) if test.stops else None
 
 
+class SampledLogps:
+    """A logits processor that keeps the sampler's log-prob of each token it picks, log softmax(logits / T) as
+    the trainer scores it, holding one step's [samples, vocabulary] at a time (`output_logits` would keep every
+    step's). It runs before the sampling warpers (transformers puts a caller's processors ahead of them)."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.picked = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:  # the token sampled from the previous step's scores is the last input now
+            self.picked.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1).cpu())
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def logps(self, new: torch.Tensor) -> torch.Tensor:
+        """[samples, new tokens], given the new tokens (the last one has no later call)."""
+        if self.last is not None and len(self.picked) < new.shape[1]:
+            self.picked.append(self.last.gather(-1, new[:, -1:].to(self.last.device)).squeeze(-1).cpu())
+        self.last = None
+        return torch.stack(self.picked, dim=1) if self.picked else torch.zeros(new.shape[0], 0)
+
+
 class HFGenerator:
     def __init__(self, cfg, engine, tokenizer, model=None, with_logps: bool = False):
         """On `engine`'s weights, or on `model` (plain, whole) when given; `with_logps`: report the sampler's
@@ -55,7 +77,7 @@ class HFGenerator:
         n = 1 if greedy else n or self.cfg.num_generations
         ids, attn = left_pad([p for p in prompt_ids for _ in range(n)], self.tok.pad_token_id)
         width, dev = ids.shape[1], device()
-        logps = self.with_logps and not greedy
+        sampled = SampledLogps(self.cfg.temperature) if self.with_logps and not greedy else None
         weights = contextlib.nullcontext(self.model) if self.model is not None else \
             gathered_for_generation(self.engine, self.per_layer)
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), weights as model:
@@ -64,16 +86,13 @@ class HFGenerator:
             model.eval()
             out = model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev),
                                  generation_config=self.greedy_config if greedy else self.gen_config,
-                                 synced_gpus=self.synced, return_dict_in_generate=True, output_logits=logps,
+                                 synced_gpus=self.synced, logits_processor=[sampled] if sampled else None,
                                  stopping_criteria=stop_criteria(self.cfg.stop, self.tok, width))
             model.train(was_training)
-        new = out.sequences[:, width:]
+        new = out[:, width:]
         comp = finish(new.tolist(), self.tok.eos_token_id, self.tok, self.cfg.max_completion_length, self.cfg.stop)
-        if logps:  # step by step: the logits of a whole rollout at once would be [samples, steps, vocabulary]
-            comp.logps = torch.zeros_like(comp.mask)
-            for i, step_logits in enumerate(out.logits[:comp.mask.shape[1]]):
-                lp = torch.log_softmax(step_logits.float() / self.cfg.temperature, dim=-1)
-                comp.logps[:, i] = lp.gather(-1, new[:, i:i + 1]).squeeze(-1).cpu() * comp.mask[:, i]
+        if sampled is not None:
+            comp.logps = sampled.logps(new)[:, :comp.mask.shape[1]] * comp.mask
         return comp
 
     def sync(self, engine) -> None:
