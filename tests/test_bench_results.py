@@ -162,16 +162,9 @@ def test_scale_summary():
 # Results written before bench/common.save_json recorded provenance, with the command that rewrites each with it.
 # The list only shrinks: a file that gains provenance must leave it, and no new file may join it.
 BEFORE_PROVENANCE = {  # the commands of bench/README.md
-    "breakdown.json": "python bench/breakdown.py --steps 16",
-    "lora_memory.json": "python bench/lora_memory.py",
     "lora_vllm.json": "python bench/lora_vllm.py",
-    "memory.json": "python bench/memory.py --steps 6",
     "mu_sweep.json": "python bench/mu_sweep.py --mus 1 2 4 8 auto --seeds 0 1 2 --steps 48",
     "smollm2_arith.json": "python bench/smollm2_arith.py",
-    "vllm_vs_hf.json": "torchrun --nproc_per_node 2 bench/vllm_vs_hf.py",
-    "vllm_vs_hf_long.json": "torchrun --nproc_per_node 2 bench/vllm_vs_hf.py --rollouts 3 --max_completion_length 128 "
-                            "--per_device_train_batch_size 32 --out bench/results/vllm_vs_hf_long.json",
-    "vs_trl.json": "python bench/vs_trl.py",
 }
 
 
