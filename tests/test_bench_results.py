@@ -163,7 +163,6 @@ def test_scale_summary():
 # The list only shrinks: a file that gains provenance must leave it, and no new file may join it.
 BEFORE_PROVENANCE = {  # the commands of bench/README.md
     "lora_vllm.json": "python bench/lora_vllm.py",
-    "mu_sweep.json": "python bench/mu_sweep.py --mus 1 2 4 8 auto --seeds 0 1 2 --steps 48",
     "smollm2_arith.json": "python bench/smollm2_arith.py",
 }
 
