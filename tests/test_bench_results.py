@@ -163,7 +163,6 @@ def test_scale_summary():
 # The list only shrinks: a file that gains provenance must leave it, and no new file may join it.
 BEFORE_PROVENANCE = {  # the commands of bench/README.md
     "lora_vllm.json": "python bench/lora_vllm.py",
-    "smollm2_arith.json": "python bench/smollm2_arith.py",
 }
 
 
