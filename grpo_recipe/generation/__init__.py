@@ -1,6 +1,6 @@
-"""Generation backends behind one small interface (`base.py`: generate, sync, close): `hf.py` and `vllm.py`.
-`remote.py`: generation on ranks of its own (`generation_ranks`). `build_generator` picks the config's; the training loop never asks which one it has. Imports config, dist, algo,
-data and model.
+"""Generation backends behind one small interface (`base.py`: generate, sync, close): `hf.py` and `vllm.py`;
+`remote.py`: generation on ranks of its own (`generation_ranks`). `build_generator` picks the config's; the
+training loop never asks which one it has. Imports config, dist, algo, data and model.
 """
 from __future__ import annotations
 
