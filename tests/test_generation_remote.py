@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, torchrun
+from conftest import REPO, needs_vllm, torchrun
 from procs import rank_pids, wait_for_step
 from test_checkpoint import signal_tree, weights
 
@@ -37,7 +37,12 @@ def test_the_layout_deals_trainers_to_the_last_ranks():
     (["--generation_ranks", "1"], 1, "generation_ranks: 1 leaves no training rank in a launch of 1 rank(s); "
                                      "launch at least 2 ranks"),
     (["--generation_ranks", "2"], 2, "generation_ranks: 2 leaves no training rank in a launch of 2 rank(s)"),
-    (["--generation_ranks", "1", "--generation_backend", "vllm"], 3, "generation_backend: vllm is colocated only"),
+    (["--generation_ranks", "1", "--generation_backend", "vllm", "--vllm_tensor_parallel_size", "3"], 3,
+     "vllm_tensor_parallel_size: each generation rank runs its own engine"),
+    (["--generation_ranks", "1", "--generation_backend", "vllm", "--use_peft", "true", "--vllm_lora_sync", "adapter"],
+     3, "vllm_lora_sync: adapter is for a colocated engine"),
+    (["--generation_ranks", "1", "--generation_backend", "vllm", "--vllm_enable_sleep_mode", "true"], 3,
+     "vllm_enable_sleep_mode: frees a colocated engine's memory"),
     (["--max_staleness", "1"], 2, "max_staleness: 1 needs generation_ranks >= 1"),
     (["--generation_ranks", "1", "--max_staleness", "2"], 3, "max_staleness: must be 0 or 1, got 2"),
     (["--generation_ranks", "-1"], 2, "generation_ranks: must be >= 0, got -1"),
@@ -98,6 +103,45 @@ def test_staleness_1_quickstart_reward_rises_with_the_lag_accounted_for(tmp_path
     first, last = reward_quarters(records)
     assert last > first + 4.0, f"reward did not rise clearly: first quarter {first:.2f}, last {last:.2f}"
     assert (out / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=needs_vllm)])
+def test_lora_on_a_tied_head_samples_as_the_colocated_layout(tmp_path, backend):
+    """The LoRA quickstart (an adapter on the output head, which the tiny model ties to the embeddings): the
+    trainers send the merged head apart from the embeddings, and the generation rank unties them to take it
+    (transformers) or builds its engine untied (vLLM): the very completions of the colocated layout, whose
+    sampler is the same backend."""
+    run = ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart_lora.yaml", "--num_iterations", "2",
+           "--max_steps", "6", "--disable_tqdm", "true", "--generation_backend", backend]
+    torchrun(2, [*run, "--output_dir", str(tmp_path / "colocated")])
+    torchrun(3, [*run, *SEPARATE, "--output_dir", str(tmp_path / "separate")])
+    a, b = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("colocated", "separate"))
+    assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]  # the very same samples
+    assert [r["completion_length_mean"] for r in a] == [r["completion_length_mean"] for r in b]
+    if backend == "vllm":  # the sampler's log-probs are vLLM's on both sides: the same correction
+        assert [r["is_ratio_mean"] for r in b] == pytest.approx([r["is_ratio_mean"] for r in a], abs=1e-5)
+    else:  # transformers' own log-probs, the trainers' up to decoding numerics
+        assert all(abs(r["is_ratio_mean"] - 1.0) < 1e-4 for r in b), [r["is_ratio_mean"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_staleness_1_with_auto_lags_by_the_passes_of_the_rollout_before(tmp_path):
+    """num_iterations: auto picks each rollout's passes as it trains; at max_staleness 1 rollout g was sampled
+    from the weights rollout g - 1 started with, so its lag is exactly the optimizer steps rollout g - 1 took."""
+    out = tmp_path / "out"
+    torchrun(3, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", *SEPARATE,
+                 "--max_staleness", "1", "--num_iterations", "auto", "--max_steps", "12", "--output_dir", str(out),
+                 "--disable_tqdm", "true"])
+    records = read_jsonl(out / "metrics.jsonl")
+    steps = {}  # optimizer steps per rollout
+    for r in records:
+        steps[r["generation"]] = steps.get(r["generation"], 0) + 1
+    lag = {r["generation"]: r["staleness_steps"] for r in records}
+    assert len(lag) >= 3, lag  # a few rollouts, so that the lag has been set by auto's own choices
+    assert lag[0] == 0 and all(lag[g] == steps[g - 1] for g in lag if g > 0), (lag, steps)
+    assert all(r["staleness_steps"] == lag[r["generation"]] for r in records)  # fixed within a rollout
 
 
 @pytest.mark.slow

@@ -76,9 +76,10 @@ class Config:
     chat_template_kwargs: dict = opt({}, "extra arguments of apply_chat_template, e.g. {enable_thinking: false}")
     max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens")
     # --- generation --------------------------------------------------------------------
-    generation_backend: str = opt("hf", "hf (transformers generate on the training weights) or vllm (colocated engine)")
-    generation_ranks: int = opt(0, "ranks of the launch (its last ones) that only generate, with transformers "
-                                "generate on a whole copy of the policy; 0 = every rank generates, then trains")
+    generation_backend: str = opt("hf", "hf (transformers generate on the training weights) or vllm (an engine per "
+                                  "rank: colocated, or on each generation rank)")
+    generation_ranks: int = opt(0, "ranks of the launch (its last ones) that only generate, each on a whole copy of "
+                                "the policy (generation_backend); 0 = every rank generates, then trains")
     max_staleness: int = opt(0, "with generation_ranks: 1 = rollout k + 1 is generated while rollout k trains, from "
                                 "weights one sync older (the loss corrects the lag: vllm_importance_sampling_*); "
                                 "0 = the generators wait for the new weights")
@@ -345,8 +346,13 @@ def validate_generation_ranks(cfg: Config, world_size: int) -> None:
         return
     need(n < world_size, f"generation_ranks: {n} leaves no training rank in a launch of {world_size} rank(s); "
          f"launch at least {n + 1} ranks (e.g. NPROC={n + 2} launch/local.sh ...)")
-    need(cfg.generation_backend == "hf", "generation_ranks: the generation ranks run transformers' generate; "
-         "generation_backend: vllm is colocated only (set generation_backend: hf or generation_ranks: 0)")
+    if cfg.generation_backend == "vllm":  # one engine per generation rank, fed merged weights by the trainers
+        need(cfg.vllm_tensor_parallel_size == 1, "vllm_tensor_parallel_size: each generation rank runs its own "
+             f"engine (generation_ranks: {n}); it must be 1, got {cfg.vllm_tensor_parallel_size}")
+        need(not cfg.use_peft or cfg.vllm_lora_sync == "merged", "vllm_lora_sync: adapter is for a colocated "
+             "engine; generation ranks get the merged weights (set vllm_lora_sync: merged)")
+        need(not cfg.vllm_enable_sleep_mode, "vllm_enable_sleep_mode: frees a colocated engine's memory while its "
+             "rank trains; a generation rank does not train (set it false)")
     need(cfg.hf_generation_gather == "full", "hf_generation_gather: per_layer is for colocated generation; "
          "a generation rank holds the whole policy")
 

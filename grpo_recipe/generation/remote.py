@@ -21,13 +21,14 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 
 from grpo_recipe.dist import liveness, link
 from grpo_recipe.generation.base import Completions, rollout_seed
 from grpo_recipe.generation.hf import HFGenerator
-from grpo_recipe.generation.vllm_lora import gathered_weights
+from grpo_recipe.generation.vllm_lora import gathered_weights, needs_untied
 
 BUCKET_NUMEL = 1 << 26  # parameters gathered (and broadcast) at once during a sync (256 MiB in fp32)
 
@@ -91,7 +92,9 @@ class RemoteGenerator:
             return
         root = self.rank == 0
         if root:
-            self.link.broadcast_json({"cmd": "weights", "step": engine.global_steps})
+            # untied: a LoRA layer on a tied matrix, whose merged value differs from the embeddings'
+            self.link.broadcast_json({"cmd": "weights", "step": engine.global_steps,
+                                      "untied": needs_untied(engine.module)})
         bucket: list[tuple[str, torch.Tensor]] = []
         for name, tensor in gathered_weights(engine, BUCKET_NUMEL):
             if not root:
@@ -164,14 +167,16 @@ def serve(cfg) -> int:
     train_prompts, _ = load_datasets(cfg)
     served = lay.served_by(lay.rank)
     streams = {t: PromptStream(train_prompts, tok, cfg, t, lay.trainers) for t in served}
-    # the whole policy, plain: the trainers send merged weights (LoRA included) under the model's own names
-    model = load_model(path, dataclasses.replace(cfg, use_peft=False, gradient_checkpointing=False))
-    model.requires_grad_(False)
-    if torch.cuda.is_available():
-        model.cuda()
+    model = gen = None
+    if cfg.generation_backend == "hf":
+        # the whole policy, plain: the trainers send merged weights (LoRA included) under the model's own names
+        model = load_model(path, dataclasses.replace(cfg, use_peft=False, gradient_checkpointing=False))
+        model.requires_grad_(False)
+        if torch.cuda.is_available():
+            model.cuda()
+        gen = HFGenerator(cfg, None, tok, model=model, with_logps=True)
     lk = link.connect(lay, cfg.collective_timeout_s)
     liveness.start(lay.rank, lay.world, cfg.collective_timeout_s)
-    gen = HFGenerator(cfg, None, tok, model=model, with_logps=True)
     weights_step, waited_since, waited = None, time.perf_counter(), 0.0
     while True:
         liveness.set_phase("waiting for trainer 0")
@@ -180,7 +185,20 @@ def serve(cfg) -> int:
             break
         if message["cmd"] == "weights":
             liveness.set_phase(f"receiving the weights of step {message['step']}")
-            receive_weights(lk, model)
+            weights = received_weights(lk)
+            if model is not None:
+                if message["untied"]:
+                    untie(model)
+                load_into(model, weights)
+            else:  # vLLM, built at the first weights: whether the head comes untied is known then
+                if gen is None:
+                    from grpo_recipe.generation.vllm import OwnEngine
+
+                    liveness.set_phase("start-up: building the vLLM engine")
+                    gen = OwnEngine(cfg, tok, path, untied=message["untied"])
+                gen.load(weights)
+            for _ in weights:  # to the end marker, whatever the loader left
+                pass
             weights_step = message["step"]
             continue
         rollout = message["rollout"]
@@ -205,13 +223,14 @@ def serve(cfg) -> int:
                         "waited_s": waited}, [comp.logps])
         waited, waited_since = 0.0, time.perf_counter()
     lk.flush()
+    if model is None and gen is not None:
+        gen.close()
     print(f"generation rank {lay.rank}: stopped by trainer 0", file=sys.stderr)
     return PREEMPTED_EXIT_CODE if signals.pending() else 0
 
 
-def receive_weights(lk, model) -> None:
-    """Buckets from trainer 0 into the model's parameters, by name, until an empty one."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+def received_weights(lk) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) from trainer 0's buckets, until an empty one."""
     while True:
         meta = lk.broadcast_json()
         if not meta["names"]:
@@ -220,12 +239,27 @@ def receive_weights(lk, model) -> None:
         flat = lk.broadcast(torch.empty(numel, dtype=getattr(torch, meta["dtype"])))
         offset = 0
         for name, shape in zip(meta["names"], meta["shapes"]):
-            if name not in params:
-                raise ValueError(f"the trainers sent weights for {name!r}, which this rank's copy of the model "
-                                 f"lacks")
             n = math.prod(shape)
-            if params[name].dtype != flat.dtype:  # the trainer's precision (bf16 on GPUs): generate in it
-                model.to(flat.dtype)
-                params = dict(model.named_parameters(remove_duplicate=False))
-            params[name].data.copy_(flat[offset:offset + n].view(shape))
+            yield name, flat[offset:offset + n].view(shape)
             offset += n
+
+
+def load_into(model, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """The trainers' weights into the model's parameters, by name."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, value in weights:
+        if name not in params:
+            raise ValueError(f"the trainers sent weights for {name!r}, which this rank's copy of the model lacks")
+        if params[name].dtype != value.dtype:  # the trainer's precision (bf16 on GPUs): generate in it
+            model.to(value.dtype)
+            params = dict(model.named_parameters(remove_duplicate=False))
+        params[name].data.copy_(value)
+
+
+def untie(model) -> None:
+    """A LoRA layer on a tied head: the trainers send the merged head apart from the embeddings, so the two stop
+    sharing one matrix here (as the trainers' merged policy does)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is embed.weight:
+        head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+        model.config.tie_word_embeddings = False

@@ -98,19 +98,49 @@ def kv_cache_bytes(cfg, hf_config, max_model_len: int, sequences: int, dtype_byt
     return max(16 << 20, int(per_token * max_model_len * sequences * 1.25))
 
 
+def build_llm(cfg, path: str, sequences: int, tp: int = 1, **kwargs):
+    """An in-process vLLM engine for this run's sampling, sized for `sequences` at a time; the process's Python and
+    NumPy RNGs (seeded by setup() per rank) are left as they were. `kwargs`: more LLM(...) arguments."""
+    from grpo_recipe.model.ds_config import use_bf16
+
+    # In-process engine core: required by external_launcher, and no spawned process re-imports the script.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotary())
+    max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.max_completion_length
+    bf16 = use_bf16(cfg)
+    if cfg.vllm_kv_cache_mib is not None:
+        kwargs["kv_cache_memory_bytes"] = cfg.vllm_kv_cache_mib << 20
+    elif not torch.cuda.is_available():
+        from transformers import AutoConfig
+
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, AutoConfig.from_pretrained(path), max_len,
+                                                         sequences, 2 if bf16 else 4)
+    if not torch.cuda.is_available():
+        # A prompt prefilled in chunks has its seeded sampler rewound, which CPU generators cannot do
+        # ("CPU Generator does not use offset"): prefill every prompt whole.
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 4096))
+    # vLLM seeds the process's global RNGs when it runs in-process; keep the ones setup() seeded per rank.
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        llm = LLM(model=path, tokenizer=path, dtype="bfloat16" if bf16 else "float32", seed=cfg.seed,
+                  max_model_len=max_len, max_num_seqs=min(256, sequences), tensor_parallel_size=tp,
+                  gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                  enable_sleep_mode=cfg.vllm_enable_sleep_mode, enforce_eager=not torch.cuda.is_available(),
+                  # log-probs of the distribution actually sampled (after temperature, top-k, top-p)
+                  logprobs_mode="processed_logprobs", **kwargs)
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    return llm
+
+
 class VLLMGenerator:
     def __init__(self, cfg, engine, tokenizer, path: str):
-        from grpo_recipe.model.ds_config import use_bf16
-
         check_available(Path(path) / "config.json" if (Path(path) / "config.json").is_file() else None,
                         torch.cuda.is_available())
-        # In-process engine core: required by external_launcher, and no spawned process re-imports the script.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-
         self.cfg, self.engine, self.tok = cfg, engine, tokenizer
         self.syncs, self.asleep, self.stats = 0, False, {}
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotary())
         self.synced_step = engine.global_steps  # vLLM loads the same folder the engine started from
         self.chunk_numel = SYNC_CHUNK_NUMEL
         self.tp = cfg.vllm_tensor_parallel_size
@@ -122,36 +152,10 @@ class VLLMGenerator:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     self.group, self.group_ranks = group, ranks
-        max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.max_completion_length
-        sequences = cfg.completions_per_rollout * self.tp
-        bf16 = use_bf16(cfg)
-        kwargs = {}
-        if cfg.vllm_kv_cache_mib is not None:
-            kwargs["kv_cache_memory_bytes"] = cfg.vllm_kv_cache_mib << 20
-        elif not torch.cuda.is_available():
-            from transformers import AutoConfig
-
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, AutoConfig.from_pretrained(path), max_len,
-                                                             sequences, 2 if bf16 else 4)
-        if not torch.cuda.is_available():
-            # A prompt prefilled in chunks has its seeded sampler rewound, which CPU generators cannot do
-            # ("CPU Generator does not use offset"): prefill every prompt whole.
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 4096))
-        # vLLM seeds the process's global RNGs when it runs in-process; keep the ones setup() seeded per rank.
-        py_state, np_state = random.getstate(), np.random.get_state()
         lora_opts = vllm_lora.llm_options(cfg, engine.module)
-        kwargs.update(lora_opts)
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []), \
-                _lora_refusal_named():
-            self.llm = LLM(model=path, tokenizer=path, dtype="bfloat16" if bf16 else "float32", seed=cfg.seed,
-                           max_model_len=max_len, max_num_seqs=min(256, sequences),
-                           tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher",
-                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                           enable_sleep_mode=cfg.vllm_enable_sleep_mode, enforce_eager=not torch.cuda.is_available(),
-                           # log-probs of the distribution actually sampled (after temperature, top-k, top-p)
-                           logprobs_mode="processed_logprobs", **kwargs)
-        random.setstate(py_state)
-        np.random.set_state(np_state)
+        with _lora_refusal_named():
+            self.llm = build_llm(cfg, path, cfg.completions_per_rollout * self.tp, self.tp,
+                                 distributed_executor_backend="external_launcher", **lora_opts)
         self.last_sync_bytes = 0
         self.adapter = None
         if cfg.use_peft and cfg.vllm_lora_sync == "adapter":
@@ -166,19 +170,6 @@ class VLLMGenerator:
             self._reload(engine, merge=self.adapter.vocab.__contains__ if self.adapter else None)
 
     # --- generation -----------------------------------------------------------------------
-    def _sampling_params(self, seed: int, n: int, greedy: bool):
-        from vllm import SamplingParams
-
-        cfg = self.cfg
-        # stop: vLLM ends a sample at a stop string; `finish` then cuts it with the hf backend's own test
-        common = dict(max_tokens=cfg.max_completion_length, stop=list(cfg.stop) or None,
-                      stop_token_ids=[self.tok.eos_token_id], logprobs=0)
-        if greedy:  # temperature 0 is vLLM's argmax decoding (evaluation)
-            return SamplingParams(n=1, temperature=0.0, **common)
-        return SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k if cfg.top_k > 0 else -1, min_p=cfg.min_p or 0.0,
-                              repetition_penalty=cfg.repetition_penalty, seed=seed, **common)
-
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seed: int, n: int | None = None,
                  greedy: bool = False, rollout: int | None = None) -> Completions:
@@ -194,27 +185,14 @@ class VLLMGenerator:
             prompt_ids = [p for ids, _ in parts for p in ids]
             seed = parts[0][1]
             offset = sum(len(ids) for ids, _ in parts[:self.group_ranks.index(dist.get_rank())])
-        # One seed per prompt, drawn far apart: vLLM seeds sample i of a request with seed + i, so nearby
-        # seeds would give shifted copies of the same samples.
-        seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),), generator=torch.Generator().manual_seed(seed))
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                                 [self._sampling_params(int(s), n or self.cfg.num_generations, greedy) for s in seeds],
-                                 use_tqdm=False, lora_request=self.adapter.request if self.adapter else None)
+        outs = sample(self.llm, self.cfg, self.tok, prompt_ids, seed, n or self.cfg.num_generations, greedy,
+                      lora_request=self.adapter.request if self.adapter else None)
         if self.group is not None:
             outs = outs[offset:offset + mine]
-        raw, raw_logps = [], []
-        for out in outs:
-            for o in sorted(out.outputs, key=lambda o: o.index):
-                raw.append(list(o.token_ids))
-                raw_logps.append([lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)])
         if self.cfg.vllm_enable_sleep_mode:  # free the KV cache (and weights, to host) while training
             self.llm.sleep(level=1)
             self.asleep = True
-        comp = finish(raw, self.tok.eos_token_id, self.tok, self.cfg.max_completion_length, self.cfg.stop)
-        comp.logps = torch.zeros_like(comp.mask)
-        for i, (ids, lps) in enumerate(zip(comp.ids, raw_logps)):
-            comp.logps[i, :len(ids)] = torch.tensor(lps[:len(ids)])
-        return comp
+        return completions(outs, self.cfg, self.tok)
 
     # --- weight sync ----------------------------------------------------------------------
     def _reload(self, engine, merge=None) -> int:
@@ -251,11 +229,74 @@ class VLLMGenerator:
     def close(self) -> None:
         """Shut the engine down. Its shutdown tears down the default process group: call this last."""
         if self.llm is not None:
-            segments = cpu_shm_segments()
-            self.llm.llm_engine.engine_core.shutdown()
+            shutdown(self.llm)
             self.llm = None
-            for segment in segments:
-                segment.unlink(missing_ok=True)
+
+
+def sample(llm, cfg, tok, prompt_ids: list[list[int]], seed: int, n: int, greedy: bool, lora_request=None):
+    """vLLM's outputs for n samples of each prompt (greedy: one, argmax)."""
+    from vllm import SamplingParams
+
+    # stop: vLLM ends a sample at a stop string; `finish` then cuts it with the hf backend's own test
+    common = dict(max_tokens=cfg.max_completion_length, stop=list(cfg.stop) or None,
+                  stop_token_ids=[tok.eos_token_id], logprobs=0)
+    # One seed per prompt, drawn far apart: vLLM seeds sample i of a request with seed + i, so nearby
+    # seeds would give shifted copies of the same samples.
+    seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),), generator=torch.Generator().manual_seed(seed))
+    if greedy:  # temperature 0 is vLLM's argmax decoding (evaluation)
+        params = [SamplingParams(n=1, temperature=0.0, **common)] * len(prompt_ids)
+    else:
+        params = [SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p,
+                                 top_k=cfg.top_k if cfg.top_k > 0 else -1, min_p=cfg.min_p or 0.0,
+                                 repetition_penalty=cfg.repetition_penalty, seed=int(s), **common) for s in seeds]
+    return llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False,
+                        lora_request=lora_request)
+
+
+def completions(outs, cfg, tok) -> Completions:
+    """vLLM's outputs as Completions, with the sampler's log-probs."""
+    raw, raw_logps = [], []
+    for out in outs:
+        for o in sorted(out.outputs, key=lambda o: o.index):
+            raw.append(list(o.token_ids))
+            raw_logps.append([lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)])
+    comp = finish(raw, tok.eos_token_id, tok, cfg.max_completion_length, cfg.stop)
+    comp.logps = torch.zeros_like(comp.mask)
+    for i, (ids, lps) in enumerate(zip(comp.ids, raw_logps)):
+        comp.logps[i, :len(ids)] = torch.tensor(lps[:len(ids)])
+    return comp
+
+
+class OwnEngine:
+    """vLLM on a generation rank (`generation_ranks`): an engine of its own (no process group to share), built
+    without reading the checkpoint (the trainers send every weight before the first rollout), untied where the
+    trainers send a LoRA-merged head apart from the embeddings."""
+
+    def __init__(self, cfg, tokenizer, path: str, untied: bool):
+        self.cfg, self.tok = cfg, tokenizer
+        opts = {"hf_overrides": {"tie_word_embeddings": False}} if untied else {}
+        self.llm = build_llm(cfg, path, cfg.completions_per_rollout, load_format="dummy", **opts)
+
+    def load(self, weights) -> None:
+        """Every (name, tensor) of `weights` in one reload_weights call (one per chunk breaks vLLM's loading)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # cached prompt KV is the old weights'
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], seed: int) -> Completions:
+        return completions(sample(self.llm, self.cfg, self.tok, prompt_ids, seed, self.cfg.num_generations, False),
+                           self.cfg, self.tok)
+
+    def close(self) -> None:
+        shutdown(self.llm)
+
+
+def shutdown(llm) -> None:
+    """Stop an in-process engine and free the shared memory it made (see cpu_shm_segments)."""
+    segments = cpu_shm_segments()
+    llm.llm_engine.engine_core.shutdown()
+    for segment in segments:
+        segment.unlink(missing_ok=True)
 
 
 def cpu_shm_segments() -> list[Path]:
