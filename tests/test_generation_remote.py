@@ -109,21 +109,26 @@ def test_staleness_1_quickstart_reward_rises_with_the_lag_accounted_for(tmp_path
 @pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=needs_vllm)])
 def test_lora_on_a_tied_head_samples_as_the_colocated_layout(tmp_path, backend):
     """The LoRA quickstart (an adapter on the output head, which the tiny model ties to the embeddings): the
-    trainers send the merged head apart from the embeddings, and the generation rank unties them to take it
-    (transformers) or builds its engine untied (vLLM): the very completions of the colocated layout, whose
-    sampler is the same backend."""
+    trainers send the merged head apart from the embeddings, and the generation rank unties them (transformers)
+    or builds its engine untied (vLLM), so it samples from the trainers' policy. (Before, the merged head
+    overwrote the shared embeddings there: sampler / trainer ratios up to 2.6 from the second rollout on.)"""
     run = ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart_lora.yaml", "--num_iterations", "2",
            "--max_steps", "6", "--disable_tqdm", "true", "--generation_backend", backend]
     torchrun(2, [*run, "--output_dir", str(tmp_path / "colocated")])
     torchrun(3, [*run, *SEPARATE, "--output_dir", str(tmp_path / "separate")])
     a, b = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("colocated", "separate"))
-    assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]  # the very same samples
-    assert [r["completion_length_mean"] for r in a] == [r["completion_length_mean"] for r in b]
-    if backend == "vllm":  # the sampler's log-probs are vLLM's on both sides: the same correction
+    assert [r["generation"] for r in b] == [0, 0, 1, 1, 2, 2]
+    if backend == "vllm":  # merged weights in a vLLM engine on both sides: the very same samples and correction
+        assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
         assert [r["is_ratio_mean"] for r in b] == pytest.approx([r["is_ratio_mean"] for r in a], abs=1e-5)
-    else:  # transformers' own log-probs, the trainers' up to decoding numerics
-        assert all(abs(r["is_ratio_mean"] - 1.0) < 1e-4 for r in b), [r["is_ratio_mean"] for r in b]
-    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-3, abs=1e-6)
+        assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-3, abs=1e-6)
+    else:
+        # the generation rank's policy is the trainers': every sampled token has the same probability under both
+        assert all(abs(r["is_ratio_mean"] - 1.0) < 1e-4 and r["is_ratio_max"] < 1.0 + 1e-4 for r in b), \
+            [(r["is_ratio_mean"], r["is_ratio_max"]) for r in b]
+        # rollout 0 (B = 0: the same weights) gives the same samples; later, merged W + BA and the colocated
+        # peft layers (W x + B A x) differ by rounding, which can flip a near-tie token
+        assert [r["reward_mean"] for r in a[:2]] == [r["reward_mean"] for r in b[:2]]
 
 
 @pytest.mark.slow
