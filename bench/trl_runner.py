@@ -5,8 +5,9 @@
 SPEC.json (written by vs_trl.py) holds the model folder, the prompt file, the DeepSpeed config file, the
 recipe's reward specs and the GRPOConfig fields. Each rank appends one JSON line per event to
 OUT/events-rankR.jsonl, stamped with time.perf_counter(): `train_begin`, `step_end` (after each optimizer
-step), `generate` (each transformers generate call and its duration) and `rewards` (each reward call, i.e. one
-generation on this rank: completions and mean reward). The callback and the wrappers only read a clock and
+step), `generate`, `prepare`, `forward` and `backward` (each call of transformers' generate, of TRL's rollout
+preparation, of its loss and of accelerate's backward, with its duration) and `rewards` (each reward call, i.e.
+one generation on this rank: completions and mean reward). The callback and the wrappers only read a clock and
 append a line; everything else is what a TRL user gets.
 """
 from __future__ import annotations
@@ -38,6 +39,19 @@ def reward_wrapper(func, emit, as_text: bool = False):
 
     reward.__name__ = func.name
     return reward
+
+
+def timed(owner, method: str, event: str, emit) -> None:
+    """Replace owner.method by a wrapper that emits `event` with the seconds each call took."""
+    inner = getattr(owner, method)
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        result = inner(*a, **kw)
+        emit(event, seconds=time.perf_counter() - t0)
+        return result
+
+    setattr(owner, method, wrapper)
 
 
 def main(spec_path: str) -> int:
@@ -97,15 +111,13 @@ def main(spec_path: str) -> int:
     as_text = bool(spec.get("chat_prompts"))
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=[reward_wrapper(f, emit, as_text) for f in funcs], args=args,
                           train_dataset=dataset, callbacks=[Clock()])
-    generate = trainer._generate_single_turn  # timed from outside; its behaviour is untouched
-
-    def timed_generate(*a, **kw):
-        t0 = time.perf_counter()
-        result = generate(*a, **kw)
-        emit("generate", seconds=time.perf_counter() - t0)
-        return result
-
-    trainer._generate_single_turn = timed_generate
+    # Phases timed from outside (their behaviour untouched): generation; the whole rollout preparation (generation,
+    # rewards, old and reference log-probs); forward + loss; backward (accelerate's DeepSpeed backward also runs
+    # the engine's step, so the optimizer step at an accumulation boundary is inside it).
+    timed(trainer, "_generate_single_turn", "generate", emit)
+    timed(trainer, "_generate_and_score_completions", "prepare", emit)
+    timed(trainer, "compute_loss", "forward", emit)
+    timed(trainer.accelerator, "backward", "backward", emit)
     trainer.train()
     if rank == 0:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))

@@ -39,8 +39,22 @@ def read_ours(run_dir: Path, steps_per_rollout: int) -> dict:
     for r, end in zip(recs, ends):
         first.setdefault(r["generation"], (end, r["reward_mean"], r["time_generate_s"]))
     rollouts = [first[g] for g in sorted(first)]
+    steady = [r for r in recs if r["generation"] > 0]  # the first rollout warms up
+    phases = {"generate": sum(r["time_generate_s"] for r in steady),
+              "prepare": sum(r["time_sync_s"] + r["time_generate_s"] + r["time_score_s"] + r["time_old_logp_s"]
+                             for r in steady),
+              "forward": sum(r["time_forward_s"] for r in steady),
+              "backward": sum(r["time_backward_s"] + r["time_optimizer_s"] for r in steady)}
     return {"step_ends": ends, "rollout_times": [x[0] for x in rollouts], "rollout_rewards": [x[1] for x in rollouts],
-            "generate_s": [x[2] for x in rollouts], "optimizer_steps": len(recs), "generations": len(first)}
+            "generate_s": [x[2] for x in rollouts], "optimizer_steps": len(recs), "generations": len(first),
+            "phases": per_step(phases, sum(r["step_time_s"] for r in steady), len(steady))}
+
+
+def per_step(phases: dict[str, float], total: float, steps: int) -> dict[str, float]:
+    """Seconds per optimizer step in each phase (PHASES), and the rest of the step as `other`."""
+    out = {k: v / steps for k, v in phases.items()}
+    return out | {"other": (total - phases["prepare"] - phases["forward"] - phases["backward"]) / steps,
+                  "step": total / steps}
 
 
 def read_trl(run_dir: Path, steps_per_rollout: int, world: int) -> dict:
@@ -65,16 +79,21 @@ def read_trl(run_dir: Path, steps_per_rollout: int, world: int) -> dict:
     generate = [e["seconds"] for e in ranks[0] if e["event"] == "generate"]
     history = json.loads((run_dir / "log_history.json").read_text())
     last_step = max((h.get("step", 0) for h in history), default=0)
+    # rank 0's phases after the first rollout's steps (calls that started after its last step ended)
+    since = ends[steps_per_rollout - 1] + t0
+    phases = {k: sum(e["seconds"] for e in ranks[0] if e["event"] == k and e["t"] - e["seconds"] >= since)
+              for k in ("generate", "prepare", "forward", "backward")}
     return {"step_ends": ends, "rollout_times": times, "rollout_rewards": rewards[:len(times)], "generate_s": generate,
             "optimizer_steps": len(ends), "trainer_global_step": last_step, "generations": len(gens),
-            "completions_per_generation": sorted(set(completions))}
+            "completions_per_generation": sorted(set(completions)),
+            "phases": per_step(phases, ends[-1] - ends[steps_per_rollout - 1], len(ends) - steps_per_rollout)}
 
 
 def summarize_run(parsed: dict, steps_per_rollout: int) -> dict:
     step_s, rollout_s = steady_rates(parsed["step_ends"], steps_per_rollout)
     return {"sec_per_step": step_s, "sec_per_rollout": rollout_s,
             "generate_s_median": statistics.median(parsed["generate_s"][1:] or parsed["generate_s"]),
-            "train_span_s": parsed["step_ends"][-1]}
+            "train_span_s": parsed["step_ends"][-1], "phases_s_per_step": parsed["phases"]}
 
 
 # ------------------------------------------------------------------------------------------
@@ -120,6 +139,11 @@ def summarize(runs: list[dict], mus: list[int]) -> dict:
         entry["reward_last_rollouts"] = {"rollouts": len(ours[reps[0]]["rollout_rewards"]),
                                          "ours": statistics.median(a for a, _ in last),
                                          "trl": statistics.median(b for _, b in last)}
+        if all("phases_s_per_step" in r for r in (*ours.values(), *trl.values())):  # where a step's time goes
+            entry["phases_s_per_step"] = {
+                side: {k: statistics.median(runs_[i]["phases_s_per_step"][k] for i in reps)
+                       for k in runs_[reps[0]]["phases_s_per_step"]}
+                for side, runs_ in (("ours", ours), ("trl", trl))}
         out["by_mu"][str(mu)] = entry
     for key, name in (("sec_per_step", "step_time_ratio"), ("sec_per_rollout", "rollout_time_ratio"),
                       ("generate_s_median", "generate_time_ratio")):
@@ -179,6 +203,15 @@ def markdown_table(summary: dict) -> str:
         rows.append(f"| {mu} | {s['ours']:.2f} | {s['trl']:.2f} | {s['ratio']:.2f} | {r['ours']:.2f} | {r['trl']:.2f} | "
                     f"{r['ratio']:.2f} | {g['ours']:.2f} | {g['trl']:.2f} | {g['ratio']:.2f} | {w['budget_s']:.0f} | "
                     f"{num(w['ours'])} | {num(w['trl'])} | {num(w['ratio'])} | {num(w['difference'], '+.2f')} |")
+    if all("phases_s_per_step" in e for e in summary["by_mu"].values()):
+        rows += ["\nWhere a step's time goes (s per optimizer step after the first rollout, rank 0; prepare = "
+                 "generation + rewards + old log-probs, backward includes the optimizer step):\n",
+                 "| mu | side | prepare | of it generation | forward + loss | backward + optimizer | other | step |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for mu, e in summary["by_mu"].items():
+            for side, p in e["phases_s_per_step"].items():
+                rows.append(f"| {mu} | {side} | {p['prepare']:.3f} | {p['generate']:.3f} | {p['forward']:.3f} | "
+                            f"{p['backward']:.3f} | {p['other']:.3f} | {p['step']:.3f} |")
     rows.append(f"\nstep_time_ratio (ours / TRL, median over all pairs): {summary['step_time_ratio']:.2f}; "
                 f"rollout_time_ratio {summary['rollout_time_ratio']:.2f}; generate_time_ratio "
                 f"{summary['generate_time_ratio']:.2f}")

@@ -126,7 +126,9 @@ def test_read_trl_combines_ranks_and_functions(tmp_path):
         ev += [line(event="rewards", t=101.0, func="length", weight=1.0, n=16, mean=m1),
                line(event="rewards", t=101.0, func="bonus", weight=0.5, n=16, mean=2.0)]
         ev += [line(event="step_end", t=102.0, step=1), line(event="step_end", t=103.0, step=2)]
-        ev += [line(event="generate", t=103.4, seconds=0.4)]
+        ev += [line(event="generate", t=103.4, seconds=0.4), line(event="prepare", t=103.6, seconds=0.6)]
+        ev += [line(event="forward", t=104.2, seconds=0.2), line(event="backward", t=104.5, seconds=0.3)]
+        ev += [line(event="forward", t=105.2, seconds=0.2), line(event="backward", t=105.8, seconds=0.5)]
         ev += [line(event="rewards", t=104.0, func="length", weight=1.0, n=16, mean=m2),
                line(event="rewards", t=104.0, func="bonus", weight=0.5, n=16, mean=4.0)]
         ev += [line(event="step_end", t=105.0, step=3), line(event="step_end", t=106.0, step=4)]
@@ -138,6 +140,9 @@ def test_read_trl_combines_ranks_and_functions(tmp_path):
     assert got["rollout_rewards"] == pytest.approx([-15.0 + 1.0, -7.0 + 2.0])
     assert got["generations"] == 2 and got["optimizer_steps"] == 4 and got["trainer_global_step"] == 4
     assert got["completions_per_generation"] == [32] and got["generate_s"] == [0.5, 0.4]
+    # rank 0's calls after the first rollout (steps 3 and 4: 3 s), per step; the rest of the step is `other`
+    assert got["phases"] == pytest.approx({"generate": 0.2, "prepare": 0.3, "forward": 0.2, "backward": 0.4,
+                                           "other": 0.6, "step": 1.5})
 
 
 def test_summary_without_a_scored_rollout_on_one_side_says_none():
