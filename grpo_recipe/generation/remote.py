@@ -4,8 +4,9 @@ the generation ranks' program, `serve`.
 Trainer 0 drives: it tells the generators which rollout to generate and sends them the policy's weights (gathered
 from the ZeRO-3 shards chunk by chunk on every trainer, broadcast in buckets). Each generator builds the prompts
 of the trainers it serves from the same data and seeds as they do (no prompt is sent to it; they come back with
-the completions, as a check), samples with transformers' `generate` on its own whole copy of the policy, and sends
-each trainer its completions with the sampler's log-probs. The lag is the only difference from generating in place:
+the completions, as a check), samples on its own whole copy of the policy (transformers' `generate`, or a vLLM
+engine of its own with `generation_backend: vllm`), and sends each trainer its completions with the sampler's
+log-probs. The lag is the only difference from generating in place:
 - `max_staleness: 0`: rollout k is asked for when it is needed, after the weights of rollout k were sent: the
   same samples as the colocated layout (same weights, prompts and seeds), while the generators idle in training;
 - `max_staleness: 1`: rollout k + 1 is asked for as soon as rollout k arrives, so it is sampled from the weights
