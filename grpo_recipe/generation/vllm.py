@@ -268,14 +268,31 @@ def completions(outs, cfg, tok) -> Completions:
 
 
 class OwnEngine:
-    """vLLM on a generation rank (`generation_ranks`): an engine of its own (no process group to share), built
-    without reading the checkpoint (the trainers send every weight before the first rollout), untied where the
-    trainers send a LoRA-merged head apart from the embeddings."""
+    """vLLM on a generation rank (`generation_ranks`): an engine of its own, built without reading the checkpoint
+    (the trainers send every weight before the first rollout), untied where the trainers send a LoRA-merged head
+    apart from the embeddings."""
 
     def __init__(self, cfg, tokenizer, path: str, untied: bool):
+        from grpo_recipe.dist.env import free_port
+
         self.cfg, self.tok = cfg, tokenizer
         opts = {"hf_overrides": {"tie_word_embeddings": False}} if untied else {}
-        self.llm = build_llm(cfg, path, cfg.completions_per_rollout, load_format="dummy", **opts)
+        # A world of one on this rank's own device: vLLM's external launcher takes the device from LOCAL_RANK
+        # (its single-process executor would take device 0, another rank's GPU) and its group from the
+        # environment, here a store of its own on loopback (not torchrun's agent store).
+        own = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        launch = {k: os.environ.get(k) for k in own}
+        os.environ.update(own)
+        try:
+            self.llm = build_llm(cfg, path, cfg.completions_per_rollout, load_format="dummy",
+                                 distributed_executor_backend="external_launcher", **opts)
+        finally:
+            for k, v in launch.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def load(self, weights) -> None:
         """Every (name, tensor) of `weights` in one reload_weights call (one per chunk breaks vLLM's loading)."""
