@@ -12,6 +12,10 @@ from pathlib import Path
 from grpo_recipe.run.metrics import read_jsonl
 
 REWARD_WINDOW = 3  # "reward after a budget" = mean reward of the last 3 rollouts scored within it
+# where a step's time goes: generation, all of a rollout's preparation (generation included), forward + loss,
+# backward + optimizer step
+PHASES = ("generate", "prepare", "forward", "backward")
+
 
 def steady_rates(step_ends: list[float], steps_per_rollout: int) -> tuple[float, float]:
     """Seconds per optimizer step and per rollout from step end times, the first rollout left out (warm-up)."""
@@ -51,7 +55,7 @@ def read_ours(run_dir: Path, steps_per_rollout: int) -> dict:
 
 
 def per_step(phases: dict[str, float], total: float, steps: int) -> dict[str, float]:
-    """Seconds per optimizer step in each phase (PHASES), and the rest of the step as `other`."""
+    """Seconds per optimizer step in each of PHASES, and the rest of the step as `other`."""
     out = {k: v / steps for k, v in phases.items()}
     return out | {"other": (total - phases["prepare"] - phases["forward"] - phases["backward"]) / steps,
                   "step": total / steps}
@@ -82,7 +86,7 @@ def read_trl(run_dir: Path, steps_per_rollout: int, world: int) -> dict:
     # rank 0's phases after the first rollout's steps (calls that started after its last step ended)
     since = ends[steps_per_rollout - 1] + t0
     phases = {k: sum(e["seconds"] for e in ranks[0] if e["event"] == k and e["t"] - e["seconds"] >= since)
-              for k in ("generate", "prepare", "forward", "backward")}
+              for k in PHASES}
     return {"step_ends": ends, "rollout_times": times, "rollout_rewards": rewards[:len(times)], "generate_s": generate,
             "optimizer_steps": len(ends), "trainer_global_step": last_step, "generations": len(gens),
             "completions_per_generation": sorted(set(completions)),

@@ -224,7 +224,7 @@ def serve(cfg) -> int:
                         "waited_s": waited}, [comp.logps])
         waited, waited_since = 0.0, time.perf_counter()
     lk.flush()
-    if model is None and gen is not None:
+    if gen is not None:
         gen.close()
     print(f"generation rank {lay.rank}: stopped by trainer 0", file=sys.stderr)
     return PREEMPTED_EXIT_CODE if signals.pending() else 0

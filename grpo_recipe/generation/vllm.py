@@ -19,6 +19,7 @@ import logging
 import os
 import random
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -282,17 +283,9 @@ class OwnEngine:
         # environment, here a store of its own on loopback (not torchrun's agent store).
         own = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "False"}
-        launch = {k: os.environ.get(k) for k in own}
-        os.environ.update(own)
-        try:
+        with mock.patch.dict(os.environ, own):  # the launch's own values come back after
             self.llm = build_llm(cfg, path, cfg.completions_per_rollout, load_format="dummy",
                                  distributed_executor_backend="external_launcher", **opts)
-        finally:
-            for k, v in launch.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     def load(self, weights) -> None:
         """Every (name, tensor) of `weights` in one reload_weights call (one per chunk breaks vLLM's loading)."""
