@@ -263,7 +263,8 @@ def test_scale_smoke(tmp_path):
     assert row["world"] == 2 and set(row["after"]) >= {"startup_peak", "policy_load_added", "reference_added"}
     assert all(r["logprob"]["rows"][0][v]["peak_mib"] > 0 for v in ("before", "after"))
     t = r["throughput"]["row"]
-    assert t["speedup"] > 0 and t["same_update"]["grad_norm_rel_diff"] < 1e-4
+    # bf16 weights: the fused head sums the head's gradient in fp32, the logits path in one bf16 matmul
+    assert t["speedup"] > 0 and t["same_update"]["grad_norm_rel_diff"] < 1e-3
     p = r["padding"]["row"]
     assert p["after"]["positions_through_layers"] < p["before"]["positions_through_layers"]
     assert set(r["goals"]) == {"whole_run", "startup", "logprob", "throughput", "vs_trl"}

@@ -8,6 +8,7 @@ from grpo_recipe.algo.loss import (
     LossSpec,
     clip_counts,
     group_advantages,
+    head_token_logps,
     k3_kl,
     loss_normalizers,
     policy_loss,
@@ -275,3 +276,50 @@ def test_token_logps_of_bf16_logits_are_fp32_and_keep_the_logits_dtype_for_the_g
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     got.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("chunk_rows", [1 << 20, 4])  # one chunk; several chunks across the batch's rows
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_head_log_probs_and_entropy_equal_the_logits_computation_with_gradients(monkeypatch, chunk_rows,
+                                                                                       temperature, entropy_grad):
+    """The head computing log-probs chunk by chunk, against log_softmax of the whole logits hidden @ W.T + b in
+    float64: values, entropy, and the gradients of hidden, W and b (with an entropy bonus in the loss or not)."""
+    import grpo_recipe.algo.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "HEAD_CHUNK_ELEMENTS", chunk_rows * 13)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 9, 5, generator=g).requires_grad_(True)  # 9 positions, the last ignored
+    weight = (torch.randn(13, 5, generator=g) * 2).requires_grad_(True)
+    bias = torch.randn(13, generator=g).requires_grad_(True)
+    ids = torch.randint(0, 13, (3, 8), generator=g)
+    w, v = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    logp, entropy = head_token_logps(hidden * 1.0, weight, bias, ids, temperature, with_entropy=True,
+                                     entropy_grad=entropy_grad)
+    loss = (logp * w).sum() + ((entropy * v).sum() if entropy_grad else 0.0)
+    grads = torch.autograd.grad(loss, (hidden, weight, bias))
+    h64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (hidden, weight, bias))
+    x = torch.nn.functional.linear(h64[:, :8], w64, b64) / temperature
+    want = torch.log_softmax(x, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    want_entropy = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)
+    want_loss = (want * w.double()).sum() + ((want_entropy * v.double()).sum() if entropy_grad else 0.0)
+    want_grads = torch.autograd.grad(want_loss, (h64, w64, b64))
+    assert logp.dtype == entropy.dtype == torch.float32 and entropy.requires_grad == entropy_grad
+    torch.testing.assert_close(logp.double(), want.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy.double(), want_entropy.detach(), atol=5e-5, rtol=0)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
+    assert grads[0][:, 8].abs().max() == 0  # the position past the completion gets no gradient
+
+
+def test_fused_head_of_a_bf16_head_gives_fp32_log_probs_and_bf16_gradients_close_to_the_logits_path():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 5, 8, generator=g).bfloat16().requires_grad_(True)
+    weight = torch.randn(50, 8, generator=g).bfloat16().requires_grad_(True)
+    ids = torch.randint(0, 50, (2, 4), generator=g)
+    got = head_token_logps(hidden, weight, None, ids)
+    got.sum().backward()
+    logits = torch.nn.functional.linear(hidden.detach(), weight.detach())  # bf16, as the model's head computes
+    want = torch.log_softmax(logits.float(), -1)[:, :4].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert got.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # the same bf16 logits, upcast

@@ -297,3 +297,51 @@ def test_non_finite_steps_are_skipped_within_the_allowance_then_stop():
     applied = StepResult(0, 0, True, {"loss": float("inf")}, 0, applied=True)
     with pytest.raises(NonFiniteError, match="the update was applied: the weights may be broken"):
         check_finite(applied, 7, skipped=0, allowed=5)  # cannot be skipped: stop whatever the allowance
+
+
+def test_the_head_returns_log_probs_and_they_equal_the_logits_path_with_gradients(tiny_model_dir):
+    """forward_logps through the fused head (the tiny Qwen2, tied head) against log_softmax of the model's own
+    logits: values, entropy and every parameter's gradient; and the head's output is [B, C] log-probs, no logits."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_recipe.algo.update import forward_logps, fused_head
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert fused_head(model) is model.lm_head
+    ids = torch.randint(1, model.config.vocab_size, (3, 12))
+    attn = torch.ones_like(ids)
+    attn[0, :4] = 0  # left padding
+    shapes = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o[0].shape)))
+    logp, entropy = forward_logps(model, ids, attn, 5, 0.7, with_entropy=True)
+    hook.remove()
+    assert shapes == [(3, 5)] and "forward" not in vars(model.lm_head)  # the head's own forward is back
+    (logp * torch.linspace(-1, 1, 15).view(3, 5)).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    x = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -6:-1].float() / 0.7
+    want = torch.log_softmax(x, -1).gather(-1, ids[:, -5:].unsqueeze(-1)).squeeze(-1)
+    (want * torch.linspace(-1, 1, 15).view(3, 5)).sum().backward()
+    torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=x.detach()).entropy(), atol=1e-5,
+                               rtol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_a_head_that_is_not_a_plain_linear_of_a_listed_architecture_keeps_the_logits_path(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from grpo_recipe.algo.update import fused_head
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lora_elsewhere = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert fused_head(lora_elsewhere) is lora_elsewhere.get_output_embeddings()  # through peft's wrapper
+    lora_on_head = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                  LoraConfig(r=2, target_modules=["lm_head"]))
+    assert fused_head(lora_on_head) is None  # W + BA: the head is peft's layer
+    model.config.model_type = "gemma2"  # its forward caps the logits after the head
+    assert fused_head(model) is None

@@ -104,6 +104,80 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+HEAD_CHUNK_ELEMENTS = 1 << 22  # fp32 logits a chunk of the fused head computes at once (16 MiB)
+
+
+def head_token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                     temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False):
+    """`token_logps` of the logits `hidden @ weight.T + bias`, without those logits: hidden [B, L >= C, H] (position
+    t predicts ids[:, t]), weight [V, H]. A chunk of positions at a time goes through the output head and the log
+    softmax, forward and again in the backward (one more matmul of the head), so no [B, C, V] tensor, logits or
+    their gradient, exists at once. Returns what `token_logps` returns, to float rounding."""
+    b, c = ids.shape
+    rows = hidden[:, :c].reshape(b * c, hidden.shape[-1])
+    out = _HeadLogSoftmax.apply(rows, weight, bias, ids.reshape(-1), temperature, with_entropy, entropy_grad)
+    if not with_entropy:
+        return out[0].view(b, c)
+    return out[0].view(b, c), out[1].view(b, c)
+
+
+def _row_chunks(n: int, vocab: int):
+    step = max(1, HEAD_CHUNK_ELEMENTS // vocab)
+    for s in range(0, n, step):
+        yield s, min(s + step, n)
+
+
+class _HeadLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, weight, bias, ids, temperature, entropy, entropy_grad):
+        out = torch.empty(ids.shape, dtype=torch.float32, device=rows.device)
+        lse = torch.empty_like(out)
+        ent = torch.empty_like(out) if entropy else None
+        for s, e in _row_chunks(rows.shape[0], weight.shape[0]):
+            x = torch.nn.functional.linear(rows[s:e], weight, bias).float() / temperature
+            lse[s:e] = torch.logsumexp(x, dim=-1)
+            out[s:e] = x.gather(-1, ids[s:e].unsqueeze(-1)).squeeze(-1) - lse[s:e]
+            if entropy:  # H = lse - E_p[x]
+                ent[s:e] = lse[s:e] - (torch.exp(x - lse[s:e].unsqueeze(-1)) * x).sum(-1)
+        ctx.save_for_backward(rows, weight, bias, ids, lse)
+        ctx.temperature, ctx.entropy_grad = temperature, entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(*(t for t in (ent,) if t is not None))
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_ent=None):
+        rows, weight, bias, ids, lse = ctx.saved_tensors
+        t = ctx.temperature
+        need_rows, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_rows = torch.empty_like(rows) if need_rows else None
+        # fp32 sums over chunks (for a bf16 head, one rounding at the end, as a single matmul would do)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        if grad_out is None:
+            grad_out = torch.zeros_like(lse)
+        for s, e in _row_chunks(rows.shape[0], weight.shape[0]):
+            g = grad_out[s:e].float().unsqueeze(-1)
+            x = torch.nn.functional.linear(rows[s:e], weight, bias).float() / t
+            p = torch.exp(x - lse[s:e].unsqueeze(-1))
+            dx = None
+            if ctx.entropy_grad and grad_ent is not None:  # d H / d x = -p (x - E_p[x])
+                dx = p * (x - (p * x).sum(-1, keepdim=True)) * -grad_ent[s:e].float().unsqueeze(-1)
+            x = p.mul_(-g)  # d logp[id] / d x = onehot(id) - softmax(x), and x = logits / T
+            x.scatter_add_(-1, ids[s:e].unsqueeze(-1), g)
+            if dx is not None:
+                x.add_(dx)
+            x.div_(t)
+            if need_rows:
+                grad_rows[s:e] = x.to(weight.dtype) @ weight
+            if need_w:
+                grad_w.addmm_(x.t(), rows[s:e].float())
+            if need_b:
+                grad_b += x.sum(0)
+        return (grad_rows, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+                None, None, None, None)
+
+
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per group: True when all its rewards are equal (its advantages are 0: it teaches nothing)."""
     grouped = rewards.view(-1, group_size)

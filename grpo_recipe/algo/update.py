@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from grpo_recipe.algo.buffer import RolloutBuffer
 from grpo_recipe.algo.clock import Timer
-from grpo_recipe.algo.loss import LossSpec, loss_normalizers, policy_loss, sampler_is_weights, token_logps
+from grpo_recipe.algo.loss import (LossSpec, head_token_logps, loss_normalizers, policy_loss, sampler_is_weights,
+                                   token_logps)
 from grpo_recipe.config.schema import Config
 from grpo_recipe.dist.group import all_reduce_named, device
 
@@ -75,6 +76,22 @@ def check_finite(done: StepResult, step: int, skipped: int, allowed: int) -> boo
     return True
 
 
+# Architectures whose causal-LM forward returns the output head's result as the logits, untouched (no logit
+# scale, cap or mask after the head): their head can compute the log-probs itself (loss.head_token_logps).
+FUSED_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "olmo2",
+                               "gemma", "smollm3"})
+
+
+def fused_head(model) -> torch.nn.Linear | None:
+    """The model's output head when it can return log-probs in place of logits: a plain Linear (not a LoRA
+    layer) of an architecture in FUSED_HEAD_MODELS; else None."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
+    if getattr(getattr(inner, "config", None), "model_type", None) not in FUSED_HEAD_MODELS:
+        return None
+    head = inner.get_output_embeddings()
+    return head if type(head) is torch.nn.Linear else None
+
+
 def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                   temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
     """Per-token log-probs (fp32) of the completion part under the sampling temperature (and with `with_entropy`,
@@ -82,14 +99,27 @@ def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
     Position ids follow the attention mask, as in `generate`, so left padding does not shift them. The model
     computes logits only where they predict a completion token (logits_to_keep: the prompt's positions would
-    cost a [B, P, V] slice for nothing), the last one included and ignored. Nothing else reads those logits,
-    so the backward writes their gradient over them.
+    cost a [B, P, V] slice for nothing), the last one included and ignored. Where the head allows it
+    (`fused_head`), the head itself returns the log-probs, chunk by chunk, and no [B, C, V] logits exist; it is
+    called as the model's own module, so ZeRO-3 gathers its weights for it, forward and backward.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False, logits_to_keep=completion_len + 1).logits
-    return token_logps(logits, input_ids[:, -completion_len:], temperature, own_logits=True,
-                       with_entropy=with_entropy, entropy_grad=entropy_grad)
+    ids = input_ids[:, -completion_len:]
+    head = fused_head(model)
+
+    def call():
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     use_cache=False, logits_to_keep=completion_len + 1).logits
+
+    if head is None:
+        return token_logps(call(), ids, temperature, own_logits=True, with_entropy=with_entropy,
+                           entropy_grad=entropy_grad)
+    head.forward = lambda hidden: head_token_logps(hidden, head.weight, head.bias, ids, temperature, with_entropy,
+                                                   entropy_grad)
+    try:
+        return call()
+    finally:
+        del head.forward
 
 
 def _to_device(mb: dict) -> dict:
