@@ -67,6 +67,13 @@ def main():
     engine.backward(lp.sum())
     engine.step()
     partitioned = all(p.ds_status.name == "NOT_AVAILABLE" for p in engine.module.parameters() if not p.ds_persist)
+    # The gradient partition, which now holds that step's gradients, gives its memory back while the gathered
+    # model generates, and comes back its size, zeroed.
+    grads = engine.optimizer.grad_partitions_flat_buffer
+    full, had_grads = grads.untyped_storage().nbytes(), bool(grads.any())
+    with eng.gathered_for_generation(engine):
+        released = grads.untyped_storage().nbytes()
+    grads_back = grads.untyped_storage().nbytes() == full and not bool(grads.any())
     # A failure on rank 1 alone (a token id the model does not have) stops both ranks at once, naming rank 1.
     bad = [[engine.module.config.vocab_size + 5]] if rank == 1 else prompts
     try:
@@ -76,10 +83,11 @@ def main():
         raised = str(e)
     raised_all = [None] * world
     dist.all_gather_object(raised_all, raised)
-    flags = torch.tensor([float(match), float(partitioned)])
+    flags = torch.tensor([float(match), float(partitioned), float(had_grads and released == 0 and grads_back)])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if rank == 0:
-        json.dump({"match": bool(flags[0]), "partitioned": bool(flags[1]), "gathers_12": gathers_12,
+        json.dump({"match": bool(flags[0]), "partitioned": bool(flags[1]), "grads_released": bool(flags[2]),
+                   "gathers_12": gathers_12,
                    "gathers_24": gathers_24, "texts": got.texts, "mask_sum": got.mask.sum(-1).tolist(),
                    "ids": got.ids, "truncated": got.truncated.tolist(), "eos": eos,
                    "raised": raised_all}, open(out, "w"))

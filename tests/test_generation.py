@@ -43,6 +43,7 @@ def test_zero3_generation_matches_plain_model_and_gathers_once(tmp_path):
     r = json.loads(out.read_text())
     assert r["match"], "tokens sampled from gathered ZeRO-3 weights differ from the plain model's"
     assert r["partitioned"], "parameters were not released back to their shards after generation"
+    assert r["grads_released"], "the gradient partition kept its memory while generating, or came back not zeroed"
     assert r["gathers_12"] > 0 and r["gathers_12"] == r["gathers_24"], \
         f"all-gathers grew with decoding steps ({r['gathers_12']} vs {r['gathers_24']}): not gathered once"
     for ids, m, t in zip(r["ids"], r["mask_sum"], r["truncated"]):

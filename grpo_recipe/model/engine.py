@@ -68,6 +68,27 @@ def is_zero3(engine) -> bool:
 
 
 @contextlib.contextmanager
+def released_gradients(engine):
+    """ZeRO-3's gradient partition (a buffer the size of the rank's parameter shard) gives its memory back
+    meanwhile, and comes back zeroed: between optimizer steps it holds nothing needed (the next step's first
+    micro-batch overwrites it: stage3.py partition_grads, micro_step_id 0), so the whole gathered model fits in
+    the room it leaves. Its views (one per parameter) keep their storage, which is resized, not replaced."""
+    buf = getattr(engine.optimizer, "grad_partitions_flat_buffer", None)
+    storage = buf.untyped_storage() if buf is not None else None
+    # kept mid-accumulation, and when pinned for an offloaded optimizer (a storage that cannot be resized)
+    if storage is None or not storage.resizable() or getattr(engine.optimizer, "micro_step_id", 0) != 0:
+        yield
+        return
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    try:
+        yield
+    finally:
+        storage.resize_(nbytes)
+        buf.zero_()
+
+
+@contextlib.contextmanager
 def gathered_for_generation(engine, per_layer: bool = False):
     """The model to generate with.
 
@@ -93,7 +114,8 @@ def gathered_for_generation(engine, per_layer: bool = False):
             yield model
         return
     offload = engine.optimizer.parameter_offload
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+    with released_gradients(engine), \
+            deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         offload._remove_module_hooks()
         try:
             with merged_adapter(engine.module, restore=False) as model:
