@@ -56,6 +56,13 @@ def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tup
     else:
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)  # wraps the group
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU accelerator counts its devices (this node's ranks) at every gradient reduction, by
+        # running numactl in a subprocess, unless LOCAL_SIZE says (the deepspeed launcher sets it, torchrun and
+        # Slurm do not): a tenth of a small model's step. Set after DeepSpeed's init, whose CPU comm op would
+        # also read it, to start a shared-memory all-reduce that training never uses.
+        os.environ.setdefault("LOCAL_SIZE", str(min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                                    torch.distributed.get_world_size())))
     # a group left to interpreter teardown can abort the process ("terminate called without an active
     # exception") after its work is done; atexit runs this after liveness stops its heartbeat (registered later)
     atexit.register(_destroy_process_group)
