@@ -9,6 +9,7 @@ from grpo_recipe.algo.loss import (
     clip_counts,
     group_advantages,
     head_token_logps,
+    tied_embedding,
     k3_kl,
     loss_normalizers,
     policy_loss,
@@ -323,3 +324,30 @@ def test_fused_head_of_a_bf16_head_gives_fp32_log_probs_and_bf16_gradients_close
     want = torch.log_softmax(logits.float(), -1)[:, :4].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     assert got.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # the same bf16 logits, upcast
+
+
+@pytest.mark.parametrize("head_has_gradient", [True, False])
+def test_a_tied_lookup_completes_the_heads_deferred_gradient_in_place(head_has_gradient):
+    """Embedding and head sharing W: the head leaves W's gradient to the lookup, which adds its rows (none for
+    the padding row) and returns the sum; equal to autograd's sum of the two plain paths' gradients."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(13, 5, generator=g).requires_grad_(True)
+    ids = torch.randint(0, 13, (2, 6), generator=g)
+    ids[0, :2] = 0  # the padding row
+    w = torch.randn(2, 5, generator=g)
+
+    def loss(embed, head):
+        hidden = torch.tanh(embed(ids))  # a stand-in for the layers
+        logp = head(hidden)
+        return (logp * w).sum() if head_has_gradient else hidden.sum()
+
+    deferred = {}
+    got = loss(lambda x: tied_embedding(x, weight, 0, deferred),
+               lambda h: head_token_logps(h, weight, None, ids[:, 1:], deferred=deferred))
+    (grad,) = torch.autograd.grad(got, weight)
+    want = loss(lambda x: torch.nn.functional.embedding(x, weight, 0),
+                lambda h: token_logps(torch.nn.functional.linear(h, weight), ids[:, 1:]))
+    (want_grad,) = torch.autograd.grad(want, weight)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad, want_grad, atol=1e-5, rtol=1e-5)
+    assert deferred == {}  # consumed

@@ -300,8 +300,9 @@ def test_non_finite_steps_are_skipped_within_the_allowance_then_stop():
 
 
 def test_the_head_returns_log_probs_and_they_equal_the_logits_path_with_gradients(tiny_model_dir):
-    """forward_logps through the fused head (the tiny Qwen2, tied head) against log_softmax of the model's own
-    logits: values, entropy and every parameter's gradient; and the head's output is [B, C] log-probs, no logits."""
+    """forward_logps through the fused head (the tiny Qwen2, tied head: the lookup completes the head's gradient)
+    against log_softmax of the model's own logits: values, entropy and every parameter's gradient; and the head's
+    output is [B, C] log-probs, no logits."""
     from transformers import AutoModelForCausalLM
 
     from grpo_recipe.algo.update import forward_logps, fused_head
@@ -311,12 +312,14 @@ def test_the_head_returns_log_probs_and_they_equal_the_logits_path_with_gradient
     assert fused_head(model) is model.lm_head
     ids = torch.randint(1, model.config.vocab_size, (3, 12))
     attn = torch.ones_like(ids)
-    attn[0, :4] = 0  # left padding
+    attn[0, :4], ids[0, :4] = 0, model.config.pad_token_id  # left padding: the embedding's padding row
+    assert model.get_input_embeddings().padding_idx == model.config.pad_token_id
     shapes = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o[0].shape)))
     logp, entropy = forward_logps(model, ids, attn, 5, 0.7, with_entropy=True)
     hook.remove()
-    assert shapes == [(3, 5)] and "forward" not in vars(model.lm_head)  # the head's own forward is back
+    assert shapes == [(3, 5)]
+    assert "forward" not in vars(model.lm_head) and "forward" not in vars(model.get_input_embeddings())  # back
     (logp * torch.linspace(-1, 1, 15).view(3, 5)).sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

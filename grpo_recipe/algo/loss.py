@@ -104,18 +104,25 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-HEAD_CHUNK_ELEMENTS = 1 << 22  # fp32 logits a chunk of the fused head computes at once (16 MiB)
+HEAD_CHUNK_ELEMENTS = 1 << 24  # fp32 logits a chunk of the fused head computes at once (64 MiB)
 
 
 def head_token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
-                     temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False):
+                     temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
+                     deferred: dict | None = None):
     """`token_logps` of the logits `hidden @ weight.T + bias`, without those logits: hidden [B, L >= C, H] (position
     t predicts ids[:, t]), weight [V, H]. A chunk of positions at a time goes through the output head and the log
     softmax, forward and again in the backward (one more matmul of the head), so no [B, C, V] tensor, logits or
-    their gradient, exists at once. Returns what `token_logps` returns, to float rounding."""
+    their gradient, exists at once. Returns what `token_logps` returns, to float rounding.
+
+    `deferred` (a head tied to the input embedding, looked up through `tied_embedding` with the same dict): the
+    weight's gradient is left there, in fp32, for the lookup's backward to add its rows to in place and return
+    as the shared weight's one gradient. Returned here, autograd would hold it until the lookup's own [V, H]
+    gradient arrives and then sum the two."""
     b, c = ids.shape
     rows = hidden[:, :c].reshape(b * c, hidden.shape[-1])
-    out = _HeadLogSoftmax.apply(rows, weight, bias, ids.reshape(-1), temperature, with_entropy, entropy_grad)
+    out = _HeadLogSoftmax.apply(rows, weight, bias, ids.reshape(-1), temperature, with_entropy, entropy_grad,
+                                deferred)
     if not with_entropy:
         return out[0].view(b, c)
     return out[0].view(b, c), out[1].view(b, c)
@@ -129,7 +136,7 @@ def _row_chunks(n: int, vocab: int):
 
 class _HeadLogSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, weight, bias, ids, temperature, entropy, entropy_grad):
+    def forward(ctx, rows, weight, bias, ids, temperature, entropy, entropy_grad, deferred):
         out = torch.empty(ids.shape, dtype=torch.float32, device=rows.device)
         lse = torch.empty_like(out)
         ent = torch.empty_like(out) if entropy else None
@@ -140,7 +147,7 @@ class _HeadLogSoftmax(torch.autograd.Function):
             if entropy:  # H = lse - E_p[x]
                 ent[s:e] = lse[s:e] - (torch.exp(x - lse[s:e].unsqueeze(-1)) * x).sum(-1)
         ctx.save_for_backward(rows, weight, bias, ids, lse)
-        ctx.temperature, ctx.entropy_grad = temperature, entropy and entropy_grad
+        ctx.temperature, ctx.entropy_grad, ctx.deferred = temperature, entropy and entropy_grad, deferred
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(*(t for t in (ent,) if t is not None))
         return out, ent
@@ -174,8 +181,37 @@ class _HeadLogSoftmax(torch.autograd.Function):
                 grad_w.addmm_(x.t(), rows[s:e].float())
             if need_b:
                 grad_b += x.sum(0)
-        return (grad_rows, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+        if need_w and ctx.deferred is not None:
+            ctx.deferred["grad"], grad_w = grad_w, None
+        return (grad_rows, grad_w.to(weight.dtype) if grad_w is not None else None,
+                grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None)
+
+
+def tied_embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, deferred: dict) -> torch.Tensor:
+    """F.embedding(ids, weight, padding_idx) whose backward adds its rows, in place, to the head's gradient that
+    `head_token_logps` left in `deferred` (zeros when there is none) and returns the sum as the weight's."""
+    return _TiedEmbedding.apply(ids, weight, padding_idx, deferred)
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, deferred):
+        ctx.save_for_backward(ids)
+        ctx.padding_idx, ctx.deferred, ctx.shape, ctx.dtype = padding_idx, deferred, weight.shape, weight.dtype
+        return torch.nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        grad = ctx.deferred.pop("grad", None)
+        if grad is None:
+            grad = torch.zeros(ctx.shape, dtype=torch.float32, device=grad_out.device)
+        ids, rows = ids.reshape(-1), grad_out.reshape(-1, ctx.shape[1])
+        if ctx.padding_idx is not None:  # the padding row gets no gradient from the lookup
+            keep = ids != ctx.padding_idx
+            ids, rows = ids[keep], rows[keep]
+        grad.index_add_(0, ids, rows.to(grad.dtype))
+        return None, grad.to(ctx.dtype), None, None
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

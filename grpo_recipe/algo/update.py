@@ -14,7 +14,7 @@ import torch.distributed as dist
 from grpo_recipe.algo.buffer import RolloutBuffer
 from grpo_recipe.algo.clock import Timer
 from grpo_recipe.algo.loss import (LossSpec, head_token_logps, loss_normalizers, policy_loss, sampler_is_weights,
-                                   token_logps)
+                                   tied_embedding, token_logps)
 from grpo_recipe.config.schema import Config
 from grpo_recipe.dist.group import all_reduce_named, device
 
@@ -92,6 +92,15 @@ def fused_head(model) -> torch.nn.Linear | None:
     return head if type(head) is torch.nn.Linear else None
 
 
+def tied_embedding_of(model, head: torch.nn.Linear) -> torch.nn.Embedding | None:
+    """The input embedding that shares the head's weight, when it is a plain lookup (no max_norm, no frequency
+    scaling, dense gradient): its backward then completes the head's gradient in place (loss.tied_embedding)."""
+    emb = getattr(model, "module", model).get_input_embeddings()
+    if type(emb) is not torch.nn.Embedding or emb.weight is not head.weight:
+        return None
+    return emb if emb.max_norm is None and not emb.scale_grad_by_freq and not emb.sparse else None
+
+
 def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                   temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
     """Per-token log-probs (fp32) of the completion part under the sampling temperature (and with `with_entropy`,
@@ -101,7 +110,8 @@ def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     computes logits only where they predict a completion token (logits_to_keep: the prompt's positions would
     cost a [B, P, V] slice for nothing), the last one included and ignored. Where the head allows it
     (`fused_head`), the head itself returns the log-probs, chunk by chunk, and no [B, C, V] logits exist; it is
-    called as the model's own module, so ZeRO-3 gathers its weights for it, forward and backward.
+    called as the model's own module, so ZeRO-3 gathers its weights for it, forward and backward. A tied input
+    embedding's lookup then completes the head's weight gradient in place: one [V, H] gradient, not two.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     ids = input_ids[:, -completion_len:]
@@ -114,12 +124,18 @@ def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     if head is None:
         return token_logps(call(), ids, temperature, own_logits=True, with_entropy=with_entropy,
                            entropy_grad=entropy_grad)
+    emb = tied_embedding_of(model, head)
+    deferred = {} if emb is not None and torch.is_grad_enabled() and head.weight.requires_grad else None
     head.forward = lambda hidden: head_token_logps(hidden, head.weight, head.bias, ids, temperature, with_entropy,
-                                                   entropy_grad)
+                                                   entropy_grad, deferred)
+    if deferred is not None:
+        emb.forward = lambda x: tied_embedding(x, emb.weight, emb.padding_idx, deferred)
     try:
         return call()
     finally:
         del head.forward
+        if deferred is not None:
+            del emb.forward
 
 
 def _to_device(mb: dict) -> dict:
