@@ -63,6 +63,8 @@ def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tup
         # also read it, to start a shared-memory all-reduce that training never uses.
         os.environ.setdefault("LOCAL_SIZE", str(min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                                     torch.distributed.get_world_size())))
+        gather_parameters_in_place()
+        reduce_scatter_gradients_in_place()
     # a group left to interpreter teardown can abort the process ("terminate called without an active
     # exception") after its work is done; atexit runs this after liveness stops its heartbeat (registered later)
     atexit.register(_destroy_process_group)
@@ -74,6 +76,54 @@ def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tup
 
 
 _keep: list = []
+
+
+class _Done:
+    """The handle of a collective that has already completed (DeepSpeed waits on its all-gathers' handles)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def gather_parameters_in_place() -> None:
+    """ZeRO-3's parameter all-gathers over gloo as one broadcast per rank, each into its own chunk of the output.
+
+    gloo's all_gather_into_tensor stages the output through a copy of its own: 1.0x the gathered bytes on top
+    (measured, 2 ranks: 0.51 GiB for a 0.51 GiB output, and 0.53 s against 0.26 s for the broadcasts). At the end of a backward the tied [V, H] embedding is gathered for its gradient while
+    that gradient exists, so the copy was a rank's peak. A broadcast writes in place."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    def all_gather(input_tensor, output_tensor, group=None):
+        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        n = input_tensor.numel()
+        own = output_tensor.narrow(0, rank * n, n)
+        if own.data_ptr() != input_tensor.data_ptr():  # DeepSpeed's coalesced gather puts it there already
+            own.copy_(input_tensor.reshape(-1))
+        for r in range(world):
+            src = r if group is None else torch.distributed.get_global_rank(group, r)
+            torch.distributed.broadcast(output_tensor.narrow(0, r * n, n), src=src, group=group)
+        return _Done()
+
+    partition_parameters._dist_allgather_fn = all_gather
+
+
+def reduce_scatter_gradients_in_place() -> None:
+    """ZeRO-3's gradient reduce-scatter over gloo as an in-place all-reduce and a copy of this rank's chunk.
+
+    gloo's reduce_scatter_tensor works on copies: 1.5x its input in extra memory (measured, 2 ranks: 0.76 GiB
+    for a 0.51 GiB gradient), the all-reduce 0.5x. The input is DeepSpeed's scratch (reduce_scatter_coalesced
+    divides it in place first), so overwriting it costs nothing; the all-reduce moves twice the bytes."""
+    from deepspeed.runtime.comm import coalesced_collectives
+
+    def reduce_scatter(input_tensor, output_tensor, group=None, async_op=False, prof=False):
+        torch.distributed.all_reduce(input_tensor, group=group)
+        chunks = input_tensor.chunk(torch.distributed.get_world_size(group))
+        output_tensor.copy_(chunks[torch.distributed.get_rank(group)])
+
+    coalesced_collectives._torch_reduce_scatter_fn = reduce_scatter
 
 
 def _destroy_process_group() -> None:
