@@ -92,8 +92,9 @@ def gather_parameters_in_place() -> None:
     """ZeRO-3's parameter all-gathers over gloo as one broadcast per rank, each into its own chunk of the output.
 
     gloo's all_gather_into_tensor stages the output through a copy of its own: 1.0x the gathered bytes on top
-    (measured, 2 ranks: 0.51 GiB for a 0.51 GiB output, and 0.53 s against 0.26 s for the broadcasts). At the end of a backward the tied [V, H] embedding is gathered for its gradient while
-    that gradient exists, so the copy was a rank's peak. A broadcast writes in place."""
+    (measured, 2 ranks: 0.51 GiB for a 0.51 GiB output, in 0.53 s; the broadcasts 0.26 s). At the end of a
+    backward the tied [V, H] embedding is gathered for its gradient while that gradient exists, so the copy was a
+    rank's peak. A broadcast writes in place."""
     from deepspeed.runtime.zero import partition_parameters
 
     def all_gather(input_tensor, output_tensor, group=None):
