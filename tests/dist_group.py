@@ -37,7 +37,7 @@ def main():
     flat.narrow(0, 6 * rank, 6).copy_(shard)
     partition_parameters._dist_allgather_fn(flat.narrow(0, 6 * rank, 6), flat).wait()
     grads = [torch.arange(8.0) * (rank + 1), torch.arange(7.0) * (rank + 1)]  # the second one is padded
-    parts = reduce_scatter_coalesced([g.clone() for g in grads[:1]]) + reduce_scatter_coalesced([g.clone() for g in grads])
+    parts = reduce_scatter_coalesced([grads[0].clone()]) + reduce_scatter_coalesced([g.clone() for g in grads])
     mean = sum(r + 1 for r in range(world)) / world
     want = [(torch.arange(8.0) * mean).chunk(world)[rank], (torch.arange(8.0) * mean).chunk(world)[rank],
             (torch.arange(7.0) * mean).tensor_split([4])[rank]]
