@@ -61,6 +61,27 @@ def _chunks(logits: torch.Tensor, length: int):
             yield b, s, min(s + step, length)
 
 
+def _chunk_logps(x: torch.Tensor, ids: torch.Tensor, entropy: bool):
+    """One chunk of x = logits / T (fp32): its log-normalizers, log softmax(x)[ids], and H = lse - E_p[x]."""
+    lse = torch.logsumexp(x, dim=-1)
+    logp = x.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
+    return lse, logp, lse - (torch.exp(x - lse.unsqueeze(-1)) * x).sum(-1) if entropy else None
+
+
+def _logits_grad(x: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, t: float,
+                 h: torch.Tensor | None) -> torch.Tensor:
+    """The gradient on one chunk's logits of g * logp[ids] (+ h * H), x = logits / T in fp32 (overwritten)."""
+    g = g.float().unsqueeze(-1)
+    p = torch.exp(x - lse.unsqueeze(-1))
+    # d H / d x = -p (x - E_p[x]); computed before p is reused below
+    dx = p * (x - (p * x).sum(-1, keepdim=True)) * -h.float().unsqueeze(-1) if h is not None else None
+    x = p.mul_(-g)  # d logp[id] / d x = onehot(id) - softmax(x), and x = logits / T
+    x.scatter_add_(-1, ids.unsqueeze(-1), g)
+    if dx is not None:
+        x.add_(dx)
+    return x.div_(t)
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, temperature, own_logits, entropy):
@@ -68,11 +89,9 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         lse = torch.empty_like(out)
         ent = torch.empty_like(out) if entropy else None
         for b, s, e in _chunks(logits, ids.shape[1]):
-            x = logits[b, s:e].float() / temperature
-            lse[b, s:e] = torch.logsumexp(x, dim=-1)
-            out[b, s:e] = x.gather(-1, ids[b, s:e].unsqueeze(-1)).squeeze(-1) - lse[b, s:e]
-            if entropy:  # H = lse - E_p[x]
-                ent[b, s:e] = lse[b, s:e] - (torch.exp(x - lse[b, s:e].unsqueeze(-1)) * x).sum(-1)
+            lse[b, s:e], out[b, s:e], h = _chunk_logps(logits[b, s:e].float() / temperature, ids[b, s:e], entropy)
+            if entropy:
+                ent[b, s:e] = h
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature, ctx.own_logits, ctx.entropy = temperature, own_logits, entropy
         return (out, ent) if entropy else out
@@ -85,21 +104,9 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(lse)
         for b, s, e in _chunks(logits, ids.shape[1]):
-            g = grad_out[b, s:e].float().unsqueeze(-1)
-            x = logits[b, s:e].float() / t
-            p = torch.exp(x - lse[b, s:e].unsqueeze(-1))
-            if ctx.entropy and grad_ent is not None:
-                # d H / d x = -p (x - E_p[x]); computed before p is reused below
-                h = grad_ent[b, s:e].float().unsqueeze(-1)
-                dx = p * (x - (p * x).sum(-1, keepdim=True)) * -h
-            else:
-                dx = None
-            # d logp[id] / d x = onehot(id) - softmax(x), and x = logits / T
-            x = p.mul_(-g)
-            x.scatter_add_(-1, ids[b, s:e].unsqueeze(-1), g)
-            if dx is not None:
-                x.add_(dx)
-            grad[b, s:e] = x.div_(t)  # chunk by chunk, so each chunk is read before it is overwritten
+            h = grad_ent[b, s:e] if ctx.entropy and grad_ent is not None else None
+            # chunk by chunk, so each chunk is read before it is overwritten
+            grad[b, s:e] = _logits_grad(logits[b, s:e].float() / t, lse[b, s:e], ids[b, s:e], grad_out[b, s:e], t, h)
         grad[:, ids.shape[1]:] = 0
         return grad, None, None, None, None
 
@@ -142,10 +149,9 @@ class _HeadLogSoftmax(torch.autograd.Function):
         ent = torch.empty_like(out) if entropy else None
         for s, e in _row_chunks(rows.shape[0], weight.shape[0]):
             x = torch.nn.functional.linear(rows[s:e], weight, bias).float() / temperature
-            lse[s:e] = torch.logsumexp(x, dim=-1)
-            out[s:e] = x.gather(-1, ids[s:e].unsqueeze(-1)).squeeze(-1) - lse[s:e]
-            if entropy:  # H = lse - E_p[x]
-                ent[s:e] = lse[s:e] - (torch.exp(x - lse[s:e].unsqueeze(-1)) * x).sum(-1)
+            lse[s:e], out[s:e], h = _chunk_logps(x, ids[s:e], entropy)
+            if entropy:
+                ent[s:e] = h
         ctx.save_for_backward(rows, weight, bias, ids, lse)
         ctx.temperature, ctx.entropy_grad, ctx.deferred = temperature, entropy and entropy_grad, deferred
         if not ctx.entropy_grad:
@@ -164,17 +170,9 @@ class _HeadLogSoftmax(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(lse)
         for s, e in _row_chunks(rows.shape[0], weight.shape[0]):
-            g = grad_out[s:e].float().unsqueeze(-1)
-            x = torch.nn.functional.linear(rows[s:e], weight, bias).float() / t
-            p = torch.exp(x - lse[s:e].unsqueeze(-1))
-            dx = None
-            if ctx.entropy_grad and grad_ent is not None:  # d H / d x = -p (x - E_p[x])
-                dx = p * (x - (p * x).sum(-1, keepdim=True)) * -grad_ent[s:e].float().unsqueeze(-1)
-            x = p.mul_(-g)  # d logp[id] / d x = onehot(id) - softmax(x), and x = logits / T
-            x.scatter_add_(-1, ids[s:e].unsqueeze(-1), g)
-            if dx is not None:
-                x.add_(dx)
-            x.div_(t)
+            h = grad_ent[s:e] if ctx.entropy_grad and grad_ent is not None else None
+            x = _logits_grad(torch.nn.functional.linear(rows[s:e], weight, bias).float() / t, lse[s:e], ids[s:e],
+                             grad_out[s:e], t, h)
             if need_rows:
                 grad_rows[s:e] = x.to(weight.dtype) @ weight
             if need_w:
