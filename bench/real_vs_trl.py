@@ -437,9 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table(json.loads(((Path(args.out) if args.out else RESULTS) / "real_vs_trl.json").read_text())))
         return 0
+    from transformers import AutoConfig
     from vs_trl import run_env, trl_ds_config, trl_version
 
     from grpo_recipe.config.load import load_config
+    from grpo_recipe.model.ds_config import ds_config
     from grpo_recipe.model.load import load_tokenizer
 
     version = trl_version(sys.executable)
@@ -471,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     trl_prompts = runs_root / "trl_prompts.jsonl"
     chat_prompts(cfg, load_tokenizer(str(model)), data, trl_prompts)
     trl_ds = runs_root / "ds_config_trl.json"
-    trl_ds.write_text(json.dumps(trl_ds_config(cfg, False), indent=1))
+    ours_ds = ds_config(cfg, 2, AutoConfig.from_pretrained(model).hidden_size)
+    trl_ds.write_text(json.dumps(trl_ds_config(cfg, False, ours_ds), indent=1))
     untrained = evaluate(model, data / "eval.jsonl", eval_n, eval_tokens, work / "untrained.eval.json")
     ctx = {"work": runs_root, "model": model, "data": data, "hyper": hyper, "cfg": cfg, "trl_prompts": trl_prompts,
            "trl_ds": trl_ds, "env": run_env(), "budget_s": budget_s, "eval_n": eval_n,

@@ -64,9 +64,10 @@ def ranks(out: Path, world: int) -> list[dict]:
 
 
 PARTS = ("whole_run", "startup", "logprob", "padding", "throughput")
-# The whole-run part: the quickstart config on the model, short completions, two rollouts (the second generates
-# after an optimizer step: Adam's state exists then), the final save; what issue #44 measured by hand.
-WHOLE_RUN_ARGS = ["--config", QUICKSTART, "--max_steps", "2", "--num_iterations", "1", "--max_completion_length", "4",
+# The whole-run part: the quickstart config on the model, short completions, two rollouts of two passes each (the
+# second rollout generates after optimizer steps: Adam's state exists then; from the second micro-batch on, ZeRO-3
+# has a recorded trace and prefetches), the final save; what issue #44 measured by hand, at mu = 2.
+WHOLE_RUN_ARGS = ["--config", QUICKSTART, "--max_steps", "4", "--num_iterations", "2", "--max_completion_length", "4",
                   "--num_generations", "2", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
                   "--max_prompt_length", "16", "--save_steps", "0", "--disable_tqdm", "true"]
 WHOLE_RUN_CASES = [  # (world, what, extra arguments)

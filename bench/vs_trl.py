@@ -43,9 +43,12 @@ FAIRNESS = [
     "recipe has no schedule), AdamW (DeepSpeed's, torch implementation on CPU on both) with the same betas, eps and "
     "weight decay, gradient clipping, fp32 on CPU (TRL bf16=False), no gradient checkpointing on either "
     "(TRL's default is on; the recipe's config says off), dropout off on both.",
-    "Same DeepSpeed ZeRO-3 config: the recipe's ds_configs file; TRL gets it through TrainingArguments(deepspeed=...) "
-    "and accelerate, whose filled-in 'auto' values (stage3_param_persistence_threshold = 10 x hidden, so ZeRO-3 "
-    "really shards, bucket sizes, batch sizes) are compared with the recipe's in the JSON.",
+    "Same DeepSpeed ZeRO-3 config file: the recipe's ds_configs file; TRL gets it through "
+    "TrainingArguments(deepspeed=...) and accelerate, which fills the 'auto' values it knows its own way "
+    "(stage3_param_persistence_threshold = 10 x hidden on both, so ZeRO-3 really shards; bucket sizes hidden^2, "
+    "where the recipe takes at least 2^21; batch sizes), as a TRL user gets them; the two it does not know "
+    "(stage3_max_live_parameters, stage3_max_reuse_distance) get the recipe's values. The JSON lists every "
+    "difference.",
     "Same launcher and threads: torchrun --nproc_per_node 2, OMP_NUM_THREADS=1 and TOKENIZERS_PARALLELISM=false "
     "per rank, DS_ACCELERATOR=cpu, gloo, "
     "the same Python environment; runs alternate ours, TRL, ours, TRL so load drifts hit both.",
@@ -142,11 +145,15 @@ def trl_fields(cfg, mu: int, max_steps: int, cuda: bool) -> dict:
         eval_strategy="no", report_to="none", disable_tqdm=cfg.disable_tqdm)
 
 
-def trl_ds_config(cfg, cuda: bool) -> dict:
+ACCELERATE_FILLS = {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"}
+
+
+def trl_ds_config(cfg, cuda: bool, ours: dict) -> dict:
     """The recipe's DeepSpeed file as TRL's Trainer takes it (it fills the "auto" values itself).
 
-    The one change is the one the recipe makes at run time on CPU: torch's fused AdamW instead of a compiled
-    kernel.
+    Two changes: the one the recipe makes at run time on CPU (torch's fused AdamW instead of a compiled kernel),
+    and the ZeRO fields left "auto" that accelerate does not fill (how many parameters stay gathered), which get
+    the recipe's values from `ours`, its resolved config.
     """
     from grpo_recipe.config.schema import resolve_path
 
@@ -154,6 +161,10 @@ def trl_ds_config(cfg, cuda: bool) -> dict:
     opt = conf.get("optimizer")
     if not cuda and opt is not None and opt.get("type", "").lower() in ("adam", "adamw"):
         opt.setdefault("params", {}).update(torch_adam=True, fused=True)
+    zero = conf.get("zero_optimization", {})
+    for k, v in zero.items():
+        if v == "auto" and k not in ACCELERATE_FILLS:
+            zero[k] = ours["zero_optimization"][k]
     return conf
 
 
@@ -258,8 +269,8 @@ def main(argv=None) -> int:
     prompts = work / "prompts.jsonl"
     n_prompts = write_prompts(cfg, load_tokenizer(model), prompts)
     ds_path = work / "ds_config_trl.json"
-    ds_path.write_text(json.dumps(trl_ds_config(cfg, cuda), indent=1))
     ours_ds = eng.ds_config(cfg, world, AutoConfig.from_pretrained(model).hidden_size)
+    ds_path.write_text(json.dumps(trl_ds_config(cfg, cuda, ours_ds), indent=1))
     env, info, runs, cmds = run_env(), machine(load_average_at_start=os.getloadavg()), [], {}
     t_start = time.perf_counter()
     for rep in range(args.reps):

@@ -9,6 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
 from grpo_recipe.algo.buffer import left_pad
 from grpo_recipe.algo.update import forward_logps
@@ -32,6 +33,29 @@ def count_gathers(cdb):
         return orig(*a, **k)
 
     cdb.all_gather_function = counting
+
+
+class GatheredCalls:
+    """Counts ZeRO-3's parameter all-gathers (partition_parameters' single sink for them) inside each `with`."""
+
+    def __init__(self):
+        self.counts = []
+
+    def __enter__(self):
+        from deepspeed.runtime.zero import partition_parameters as pp
+
+        self.orig, self.counts = pp._dist_allgather_fn, [*self.counts, 0]
+
+        def counting(*a, **k):
+            self.counts[-1] += 1
+            return self.orig(*a, **k)
+
+        pp._dist_allgather_fn = counting
+
+    def __exit__(self, *exc):
+        from deepspeed.runtime.zero import partition_parameters as pp
+
+        pp._dist_allgather_fn = self.orig
 
 
 def main():
@@ -74,6 +98,27 @@ def main():
     with eng.gathered_for_generation(engine):
         released = grads.untyped_storage().nbytes()
     grads_back = grads.untyped_storage().nbytes() == full and not bool(grads.any())
+    # ZeRO-3's recorded module trace outlives generation, so the micro-batch after a rollout prefetches its
+    # parameters in a few coalesced gathers instead of fetching module by module.
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    gathers = GatheredCalls()
+
+    def micro_batch():
+        engine.backward(forward_logps(engine, ids, attn, 3, 1.0).sum())
+        engine.step()
+
+    for _ in range(3):  # the 1st records the trace, the 3rd's start completes it
+        micro_batch()
+    with eng.gathered_for_generation(engine):
+        plain_linear = torch.nn.functional.linear is not zero3_linear_wrap
+    gen.generate(prompts, seed=5)
+    trace_kept = coordinator.is_complete_trace()
+    with gathers:
+        micro_batch()
+    coordinator._invalidate_trace()
+    with gathers:
+        micro_batch()  # the same micro-batch without a trace
+    zero3_linear_back = torch.nn.functional.linear is zero3_linear_wrap
     # A failure on rank 1 alone (a token id the model does not have) stops both ranks at once, naming rank 1.
     bad = [[engine.module.config.vocab_size + 5]] if rank == 1 else prompts
     try:
@@ -83,10 +128,12 @@ def main():
         raised = str(e)
     raised_all = [None] * world
     dist.all_gather_object(raised_all, raised)
-    flags = torch.tensor([float(match), float(partitioned), float(had_grads and released == 0 and grads_back)])
+    flags = torch.tensor([float(match), float(partitioned), float(had_grads and released == 0 and grads_back),
+                          float(trace_kept), float(plain_linear and zero3_linear_back)])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if rank == 0:
         json.dump({"match": bool(flags[0]), "partitioned": bool(flags[1]), "grads_released": bool(flags[2]),
+                   "trace_kept": bool(flags[3]), "plain_linear": bool(flags[4]), "micro_batch_gathers": gathers.counts,
                    "gathers_12": gathers_12,
                    "gathers_24": gathers_24, "texts": got.texts, "mask_sum": got.mask.sum(-1).tolist(),
                    "ids": got.ids, "truncated": got.truncated.tolist(), "eos": eos,

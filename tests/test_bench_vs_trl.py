@@ -86,11 +86,20 @@ def test_prompt_file_is_the_recipes_truncation(tmp_path):
 
 
 def test_ds_config_for_trl_is_the_recipes_file_with_torch_adam():
+    from grpo_recipe.model.ds_config import ds_config
+
     cfg = quickstart()
     raw = json.loads((REPO / cfg.deepspeed_config).read_text())
-    trl = vs_trl.trl_ds_config(cfg, cuda=False)
+    ours = ds_config(cfg, 2, hidden_size=128)
+    trl = vs_trl.trl_ds_config(cfg, cuda=False, ours=ours)
     assert trl["optimizer"]["params"].pop("torch_adam") is True
     assert trl["optimizer"]["params"].pop("fused") is True  # as the recipe runs it on CPU (model/ds_config.py)
+    # the "auto" fields accelerate does not fill get the recipe's values; the rest stay for accelerate to fill
+    filled = {k for k, v in raw["zero_optimization"].items() if v == "auto" and k not in vs_trl.ACCELERATE_FILLS}
+    assert filled == {"stage3_max_live_parameters", "stage3_max_reuse_distance"}
+    for k in filled:
+        assert trl["zero_optimization"].pop(k) == ours["zero_optimization"][k]
+        raw["zero_optimization"].pop(k)
     assert trl == raw
     ours = {"train_batch_size": 32, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1280}}
     other = {"train_batch_size": 32, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100000}}

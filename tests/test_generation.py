@@ -44,6 +44,10 @@ def test_zero3_generation_matches_plain_model_and_gathers_once(tmp_path):
     assert r["match"], "tokens sampled from gathered ZeRO-3 weights differ from the plain model's"
     assert r["partitioned"], "parameters were not released back to their shards after generation"
     assert r["grads_released"], "the gradient partition kept its memory while generating, or came back not zeroed"
+    assert r["trace_kept"], "generation discarded ZeRO-3's recorded module trace"
+    assert r["plain_linear"], "generation did not run torch's own linear, or did not put ZeRO-3's back"
+    with_trace, without = r["micro_batch_gathers"]
+    assert 0 < with_trace < without / 2, f"a micro-batch after generation did not prefetch: {with_trace} vs {without}"
     assert r["gathers_12"] > 0 and r["gathers_12"] == r["gathers_24"], \
         f"all-gathers grew with decoding steps ({r['gathers_12']} vs {r['gathers_24']}): not gathered once"
     for ids, m, t in zip(r["ids"], r["mask_sum"], r["truncated"]):

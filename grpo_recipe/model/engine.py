@@ -1,6 +1,7 @@
 """The DeepSpeed engines: the policy's, the reference policy, and the gathered weights that generation runs on."""
 from __future__ import annotations
 
+import collections
 import contextlib
 
 from grpo_recipe.config.schema import Config
@@ -113,12 +114,39 @@ def gathered_for_generation(engine, per_layer: bool = False):
         with merged_adapter(engine.module) as model:
             yield model
         return
-    offload = engine.optimizer.parameter_offload
     with released_gradients(engine), \
-            deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-        offload._remove_module_hooks()
-        try:
-            with merged_adapter(engine.module, restore=False) as model:
-                yield model
-        finally:
-            offload.setup_zero_stage3_hooks()
+            deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None), \
+            _module_hooks_off(engine.module), _plain_linear(), \
+            merged_adapter(engine.module, restore=False) as model:
+        yield model
+
+
+@contextlib.contextmanager
+def _plain_linear():
+    """torch's own F.linear meanwhile, in place of ZeRO-3's memory-efficient linear (an autograd Function per call)."""
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+
+    zero3, plain = torch.nn.functional.linear, getattr(patcher, "linear_bk", torch.nn.functional.linear)
+    torch.nn.functional.linear = plain
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = zero3
+
+
+@contextlib.contextmanager
+def _module_hooks_off(root):
+    """The forward hooks of every module of `root` set aside, then put back as they were.
+
+    DeepSpeed's own remove-and-register (`_remove_module_hooks`, `setup_zero_stage3_hooks`) renumbers the modules
+    and so discards ZeRO-3's recorded module trace: the next micro-batch then fetches layer by layer, with no
+    prefetch, and every rollout starts the trace over."""
+    saved = [(m, m._forward_pre_hooks, m._forward_hooks) for m in root.modules()]
+    for m, _, _ in saved:
+        m._forward_pre_hooks, m._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
+    try:
+        yield
+    finally:
+        for m, pre, post in saved:
+            m._forward_pre_hooks, m._forward_hooks = pre, post
