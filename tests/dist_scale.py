@@ -84,13 +84,13 @@ def live_numel_during(engine, fn) -> tuple:
     def hook(*_):
         peak[0] = max(peak[0], sum(p.ds_numel for p in params if p.ds_status.name != "NOT_AVAILABLE"))
 
-    # after ZeRO-3's own pre-hooks (registered earlier) have fetched the module's parameters
-    handles = [m.register_forward_pre_hook(hook) for m in engine.module.modules()]
+    # a global hook: it runs whether or not the modules' own hooks are set aside (full generation sets them
+    # aside), after each module's forward and before ZeRO-3's own post-forward hook releases its parameters
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
     try:
         return fn(), peak[0]
     finally:
-        for h in handles:
-            h.remove()
+        handle.remove()
 
 
 def bounded_zero3(out_dir: Path, rank: int) -> str:
