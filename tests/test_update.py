@@ -320,6 +320,7 @@ def test_the_head_returns_log_probs_and_they_equal_the_logits_path_with_gradient
     hook.remove()
     assert shapes == [(3, 5)]
     assert "forward" not in vars(model.lm_head) and "forward" not in vars(model.get_input_embeddings())  # back
+    assert not any("forward" in vars(m) for m in model.modules())  # the MLPs' too
     (logp * torch.linspace(-1, 1, 15).view(3, 5)).sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

@@ -4,6 +4,7 @@ all train through it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from grpo_recipe.algo.buffer import RolloutBuffer
 from grpo_recipe.algo.clock import Timer
 from grpo_recipe.algo.loss import (LossSpec, head_token_logps, loss_normalizers, policy_loss, sampler_is_weights,
                                    tied_embedding, token_logps)
+from grpo_recipe.algo.mlp import gated_down, gated_mlps
 from grpo_recipe.config.schema import Config
 from grpo_recipe.dist.group import all_reduce_named, device
 
@@ -111,31 +113,51 @@ def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     cost a [B, P, V] slice for nothing), the last one included and ignored. Where the head allows it
     (`fused_head`), the head itself returns the log-probs, chunk by chunk, and no [B, C, V] logits exist; it is
     called as the model's own module, so ZeRO-3 gathers its weights for it, forward and backward. A tied input
-    embedding's lookup then completes the head's weight gradient in place: one [V, H] gradient, not two.
+    embedding's lookup then completes the head's weight gradient in place: one [V, H] gradient, not two. Gated
+    MLPs (`gated_mlps`) keep two of their four [B, T, I] activations, unless gradient checkpointing keeps none.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     ids = input_ids[:, -completion_len:]
     head = fused_head(model)
+    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
+    # With gradient checkpointing a layer keeps no activations; its recompute runs the model's own forward.
+    swaps = [] if getattr(inner, "is_gradient_checkpointing", False) else [s for mlp in gated_mlps(model) for s in _gated_mlp(mlp)]
 
     def call():
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False, logits_to_keep=completion_len + 1).logits
+        with _swapped_forwards(swaps):
+            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False, logits_to_keep=completion_len + 1).logits
 
     if head is None:
         return token_logps(call(), ids, temperature, own_logits=True, with_entropy=with_entropy,
                            entropy_grad=entropy_grad)
     emb = tied_embedding_of(model, head)
     deferred = {} if emb is not None and torch.is_grad_enabled() and head.weight.requires_grad else None
-    head.forward = lambda hidden: head_token_logps(hidden, head.weight, head.bias, ids, temperature, with_entropy,
-                                                   entropy_grad, deferred)
+    swaps.append((head, lambda hidden: head_token_logps(hidden, head.weight, head.bias, ids, temperature,
+                                                         with_entropy, entropy_grad, deferred)))
     if deferred is not None:
-        emb.forward = lambda x: tied_embedding(x, emb.weight, emb.padding_idx, deferred)
+        swaps.append((emb, lambda x: tied_embedding(x, emb.weight, emb.padding_idx, deferred)))
+    return call()
+
+
+def _gated_mlp(mlp) -> list:
+    """The MLP's forward and its down projection's, so that `gated_down` takes gate and up (algo/mlp.py)."""
+    down = mlp.down_proj
+    return [(mlp, lambda x: down(mlp.gate_proj(x), mlp.up_proj(x))),
+            (down, lambda gate, up: gated_down(gate, up, down.weight, down.bias))]
+
+
+@contextlib.contextmanager
+def _swapped_forwards(swaps: list):
+    """Each (module, forward) pair's forward in place of the module's own meanwhile. The module is still called as
+    itself, so its hooks run: ZeRO-3 gathers its weights for the forward and again for the backward."""
+    for module, forward in swaps:
+        module.forward = forward
     try:
-        return call()
+        yield
     finally:
-        del head.forward
-        if deferred is not None:
-            del emb.forward
+        for module, _ in swaps:
+            del module.forward
 
 
 def _to_device(mb: dict) -> dict:
