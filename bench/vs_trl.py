@@ -2,6 +2,7 @@
 
     python bench/vs_trl.py                       # mu 1 and 4, 2 repetitions each -> bench/results/vs_trl.{json,png}
     python bench/vs_trl.py --mus 1 --reps 1 --steps 6 --out /tmp/vt   # a quick look
+    python bench/vs_trl.py --trl_zero recipe     # TRL with the recipe's ZeRO sizes -> vs_trl_recipe_zero.{json,png}
 
 Both sides get the recipe config (default grpo_recipe/configs/quickstart.yaml, plus --set overrides): the same model
 folder, tokenizer, prompt file, reward functions, group size, batch shape, completion length, sampling, mu,
@@ -72,6 +73,9 @@ def parse_args(argv=None):
                    help="optimizer steps per run, rounded up to whole rollouts, at least 2 rollouts (default: 20)")
     p.add_argument("--python", default=sys.executable, help="interpreter with the recipe's deps and trl (default: this)")
     p.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for vs_trl.json and vs_trl.png")
+    p.add_argument("--trl_zero", choices=("accelerate", "recipe"), default="accelerate",
+                   help="TRL's ZeRO 'auto' sizes: accelerate's own, as a TRL user gets them (default), or the "
+                        "recipe's resolved values for every one (writes vs_trl_recipe_zero.json and .png)")
     p.add_argument("--workdir", default=None, help="keep run folders and logs here (default: a temp folder, removed)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run is killed (default: 900)")
     return p.parse_args(argv)
@@ -148,12 +152,12 @@ def trl_fields(cfg, mu: int, max_steps: int, cuda: bool) -> dict:
 ACCELERATE_FILLS = {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"}
 
 
-def trl_ds_config(cfg, cuda: bool, ours: dict) -> dict:
+def trl_ds_config(cfg, cuda: bool, ours: dict, all_zero: bool = False) -> dict:
     """The recipe's DeepSpeed file as TRL's Trainer takes it (it fills the "auto" values itself).
 
     Two changes: the one the recipe makes at run time on CPU (torch's fused AdamW instead of a compiled kernel),
     and the ZeRO fields left "auto" that accelerate does not fill (how many parameters stay gathered), which get
-    the recipe's values from `ours`, its resolved config.
+    the recipe's values from `ours`, its resolved config; with `all_zero`, every ZeRO "auto" field does.
     """
     from grpo_recipe.config.schema import resolve_path
 
@@ -163,7 +167,7 @@ def trl_ds_config(cfg, cuda: bool, ours: dict) -> dict:
         opt.setdefault("params", {}).update(torch_adam=True, fused=True)
     zero = conf.get("zero_optimization", {})
     for k, v in zero.items():
-        if v == "auto" and k not in ACCELERATE_FILLS:
+        if v == "auto" and (all_zero or k not in ACCELERATE_FILLS):
             zero[k] = ours["zero_optimization"][k]
     return conf
 
@@ -270,7 +274,7 @@ def main(argv=None) -> int:
     n_prompts = write_prompts(cfg, load_tokenizer(model), prompts)
     ds_path = work / "ds_config_trl.json"
     ours_ds = eng.ds_config(cfg, world, AutoConfig.from_pretrained(model).hidden_size)
-    ds_path.write_text(json.dumps(trl_ds_config(cfg, cuda, ours_ds), indent=1))
+    ds_path.write_text(json.dumps(trl_ds_config(cfg, cuda, ours_ds, all_zero=args.trl_zero == "recipe"), indent=1))
     env, info, runs, cmds = run_env(), machine(load_average_at_start=os.getloadavg()), [], {}
     t_start = time.perf_counter()
     for rep in range(args.reps):
@@ -327,7 +331,7 @@ def main(argv=None) -> int:
                    "world_size": world, "prompts": n_prompts, "per_rank_completions_per_rollout": cfg.completions_per_rollout,
                    "recipe": {k: v for k, v in cfg.to_dict().items() if k not in ("output_dir",)},
                    "trl_grpo_config_mu1": trl_fields(cfg, 1, steps_for(args.steps, cfg.optimizer_steps_per_pass), cuda)},
-        "deepspeed": {"ours_resolved": ours_ds, "trl_resolved": trl_ds, "differences": ds_differences(ours_ds, trl_ds)},
+        "deepspeed": {"trl_zero": args.trl_zero, "ours_resolved": ours_ds, "trl_resolved": trl_ds, "differences": ds_differences(ours_ds, trl_ds)},
         "verification": {"all_ok": all(v["ok"] for v in expect.values()), "runs": expect},
         "fairness": FAIRNESS,
         "commands": {"benchmark": "python bench/vs_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -339,13 +343,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from common import save_json
 
-    save_json("vs_trl.json", result, out)
-    plot(runs, summary, args.mus, out / "vs_trl.png")
+    name = "vs_trl" if args.trl_zero == "accelerate" else "vs_trl_recipe_zero"
+    save_json(f"{name}.json", result, out)
+    plot(runs, summary, args.mus, out / f"{name}.png")
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     print(f"step_time_ratio (ours/TRL) {summary['step_time_ratio']:.3f}; rollout {summary['rollout_time_ratio']:.3f}; "
           f"generate {summary['generate_time_ratio']:.3f}; verification ok: {result['verification']['all_ok']}; "
-          f"wrote {out / 'vs_trl.json'} and {out / 'vs_trl.png'}")
+          f"wrote {out / name}.json and .png")
     print(markdown_table(summary))
     return 0 if result["verification"]["all_ok"] else 1
 

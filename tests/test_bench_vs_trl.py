@@ -101,6 +101,11 @@ def test_ds_config_for_trl_is_the_recipes_file_with_torch_adam():
         assert trl["zero_optimization"].pop(k) == ours["zero_optimization"][k]
         raw["zero_optimization"].pop(k)
     assert trl == raw
+    # --trl_zero recipe: every ZeRO "auto" field gets the recipe's value
+    same = vs_trl.trl_ds_config(cfg, cuda=False, ours=ours, all_zero=True)["zero_optimization"]
+    autos = [k for k, v in json.loads((REPO / cfg.deepspeed_config).read_text())["zero_optimization"].items()
+             if v == "auto"]
+    assert len(autos) == 5 and all(same[k] == ours["zero_optimization"][k] for k in autos)
     ours = {"train_batch_size": 32, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1280}}
     other = {"train_batch_size": 32, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100000}}
     assert vs_trl.ds_differences(ours, ours) == []
