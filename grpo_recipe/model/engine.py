@@ -93,8 +93,8 @@ def released_gradients(engine):
 def gathered_for_generation(engine, per_layer: bool = False):
     """The model to generate with.
 
-    Default: all ZeRO-3 parameters gathered once, with ZeRO's per-module hooks removed meanwhile, and a LoRA
-    adapter merged into the gathered weights; with the hooks in place every layer would be re-fetched and
+    Default: all ZeRO-3 parameters gathered once, the modules' hooks set aside meanwhile, torch's own linear, and
+    a LoRA adapter merged into the gathered weights; with the hooks in place every layer would be re-fetched and
     released at each decoding step (and a merge into weights that the hooks release is lost mid-forward).
     That needs the whole model on one device.
 
