@@ -119,9 +119,9 @@ def forward_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     ids = input_ids[:, -completion_len:]
     head = fused_head(model)
-    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
     # With gradient checkpointing a layer keeps no activations; its recompute runs the model's own forward.
-    swaps = [] if getattr(inner, "is_gradient_checkpointing", False) else [s for mlp in gated_mlps(model) for s in _gated_mlp(mlp)]
+    checkpointing = getattr(getattr(model, "module", model), "is_gradient_checkpointing", False)
+    swaps = [] if checkpointing else [s for mlp in gated_mlps(model) for s in _gated_mlp(mlp)]
 
     def call():
         with _swapped_forwards(swaps):
