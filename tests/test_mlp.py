@@ -55,6 +55,8 @@ def test_gated_mlps_are_the_plain_silu_mlps_only(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from grpo_recipe.model.lora import ReferencePolicy
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     layers = model.config.num_hidden_layers
     assert [type(m).__name__ for m in gated_mlps(model)] == ["Qwen2MLP"] * layers
@@ -68,3 +70,4 @@ def test_gated_mlps_are_the_plain_silu_mlps_only(tiny_model_dir):
     gelu = AutoConfig.from_pretrained(tiny_model_dir)
     gelu.hidden_act = "gelu"
     assert gated_mlps(AutoModelForCausalLM.from_config(gelu)) == []
+    assert gated_mlps(ReferencePolicy(engine=None)) == []  # called like a model, not a Module

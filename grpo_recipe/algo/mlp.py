@@ -48,6 +48,8 @@ def gated_mlps(model) -> list[torch.nn.Module]:
     """The model's MLPs that `gated_down` can serve: a class in GATED_MLP_CLASSES with a SiLU activation and plain
     Linear projections (a LoRA layer on any of them keeps the model's own forward)."""
     inner = getattr(model, "module", model)  # a DeepSpeed engine's model
+    if not isinstance(inner, torch.nn.Module):  # e.g. model/lora.py's ReferencePolicy: the model's own forward
+        return []
     return [m for m in inner.modules() if type(m).__name__ in GATED_MLP_CLASSES
             and type(getattr(m, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")
             and all(type(getattr(m, p, None)) is torch.nn.Linear for p in ("gate_proj", "up_proj", "down_proj"))]
