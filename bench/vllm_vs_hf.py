@@ -52,7 +52,7 @@ def main() -> None:
     from grpo_recipe.algo.loss import group_advantages
     from grpo_recipe.algo.update import train_on_rollout
     from grpo_recipe.config.load import load_config
-    from grpo_recipe.dist.group import all_reduce_named
+    from grpo_recipe.dist.collectives import all_reduce_named
     from grpo_recipe.generation import rollout_seed
     from grpo_recipe.generation.hf import HFGenerator
     from grpo_recipe.rewards.funcs import score

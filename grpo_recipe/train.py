@@ -36,7 +36,8 @@ from grpo_recipe.config.schema import Config, ConfigError
 from grpo_recipe.data.prompts import DataError, PromptStream, check_prompts, load_datasets, uses_chat_template
 from grpo_recipe.dist import liveness
 from grpo_recipe.dist.env import PREEMPTED_EXIT_CODE
-from grpo_recipe.dist.group import all_reduce_named, first_error, init_distributed
+from grpo_recipe.dist.collectives import all_reduce_named, barrier, first_error
+from grpo_recipe.dist.group import init_distributed
 from grpo_recipe.dist.link import layout
 from grpo_recipe.generation import GenerationError, Generator, build_generator, generate_on_every_rank, rollout_seed
 from grpo_recipe.generation.remote import serve
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"reward_mean: first quarter {first:.3f} -> last quarter {last:.3f}")
             print(f"metrics: {Path(cfg.output_dir) / 'metrics.jsonl'}")
             print(f"model:   {final}")
-    dist.barrier()
+    barrier()
     run.generator.close()  # last: vLLM's shutdown tears the process group down itself
     if dist.is_initialized():
         dist.destroy_process_group()

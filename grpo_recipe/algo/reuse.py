@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from grpo_recipe.config.schema import Config
-from grpo_recipe.dist.group import all_reduce_named, device
+from grpo_recipe.dist.collectives import all_reduce_named, device
 
 ROLLOUT_PHASES = ("sync", "generate", "score", "old_logp")  # a fresh rollout's cost beyond its training
 

@@ -18,7 +18,7 @@ from grpo_recipe.algo.loss import (LossSpec, head_token_logps, loss_normalizers,
                                    tied_embedding, token_logps)
 from grpo_recipe.algo.mlp import gated_down, gated_mlps
 from grpo_recipe.config.schema import Config
-from grpo_recipe.dist.group import all_reduce_named, device
+from grpo_recipe.dist.collectives import all_reduce, all_reduce_named, device
 
 # per-rank sums of one optimizer step, all-reduced together (this order is the all-reduce's layout)
 STEP_SUMS = ("loss", "clip_low", "clip_high", "clip_region", "tokens", "kl", "ratio", "approx_kl", "is_ratio",
@@ -267,8 +267,8 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
         sums["ratio"] += stats["ratio_sum"]
         sums["approx_kl"] += stats["approx_kl_sum"]
     sums = all_reduce_named(sums)
-    if correct and dist.get_world_size() > 1:
-        dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
+    if correct:
+        is_max = all_reduce(is_max, "max")
     world = dist.get_world_size()
     tokens = sums["tokens"].clamp(min=1.0)
     out = {"loss": (sums["loss"] / world).item(), "clip_ratio_low": (sums["clip_low"] / tokens).item(),

@@ -1,5 +1,5 @@
-"""The process group: joining the launcher's (or a world of one), named all-reduces, the first error of any rank,
-the device. Knows nothing of models."""
+"""The process group: joining the launcher's (or a world of one), its backends, and ZeRO-3's gloo collectives
+without staging copies. The recipe's own collectives are in collectives.py. Knows nothing of models."""
 from __future__ import annotations
 
 import atexit
@@ -8,6 +8,18 @@ import os
 import torch
 
 from grpo_recipe.dist.env import free_port
+
+
+# A collective that times out: NCCL's watchdog aborts the communicators but leaves the process (mode 2, "clean up
+# only"), so the rank's next collective raises in Python and liveness names the rank that stopped answering.
+# torch's default (3) ends the process from the watchdog thread: exit 134 and no line saying why.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def backend_name(cuda: bool) -> str:
+    """NCCL for CUDA tensors and gloo for any CPU tensor on GPU machines (collectives.py puts the recipe's own
+    on the GPU; a CPU tensor from a library then takes gloo instead of crashing NCCL); gloo alone on CPU."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tuple[int, int]:
@@ -36,11 +48,13 @@ def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tup
         from grpo_recipe.dist.buildlock import load_comm_op
 
         load_comm_op()  # built once per environment under a lock that cannot go stale
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend_name(torch.cuda.is_available())
     timeout = datetime.timedelta(seconds=timeout_s)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        for key, value in NCCL_ENV.items():  # a user's own setting wins
+            os.environ.setdefault(key, value)
     store = rendezvous.store_for_rank(rank, world, timeout_s)
     lay = None
     if generation_ranks:
@@ -130,37 +144,3 @@ def reduce_scatter_gradients_in_place() -> None:
 def _destroy_process_group() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def all_reduce_named(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Named per-rank tensors (one dtype and device) summed over all ranks in ONE all-reduce: stacked in the
-    dict's order, split back by name. A world of one (or no process group at all) skips the collective."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return values
-    flat = torch.cat([v.reshape(-1) for v in values.values()])
-    torch.distributed.all_reduce(flat)
-    out, start = {}, 0
-    for name, v in values.items():
-        out[name] = flat[start:start + v.numel()].reshape(v.shape)
-        start += v.numel()
-    return out
-
-
-def first_error(error: str | None) -> tuple[int, str] | None:
-    """(rank, message) of the lowest rank that reports an error, the same on every rank; None when none does.
-    Every rank must call it: a rank that failed must not just leave (the others would hang in their next
-    collective, or lose the reason). One tiny all-reduce; the messages are gathered only after a failure."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if world == 1:
-        return None if error is None else (0, error)
-    flag = torch.tensor([float(error is not None)])
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    if not flag.item():
-        return None
-    errors = [None] * world
-    torch.distributed.all_gather_object(errors, error)
-    return next((r, e) for r, e in enumerate(errors) if e is not None)
-
-
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -81,6 +81,7 @@ class Link:
 
     # -- fanout: trainer 0 to every generator --------------------------------------------------
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (a CPU tensor: the link is gloo's) from trainer 0 to every generator, in place."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
@@ -101,7 +102,9 @@ class Link:
         while the generator goes on; `flush` waits for them."""
         header = _encode({**message, "tensors": [[list(t.shape), str(t.dtype).removeprefix("torch.")]
                                                  for t in tensors]})
-        parts = [torch.tensor([header.numel()], dtype=torch.int64), header, *[t.contiguous() for t in tensors]]
+        # gloo: CPU tensors only (a generator's log-probs may come from its GPU)
+        parts = [torch.tensor([header.numel()], dtype=torch.int64), header,
+                 *[t.detach().cpu().contiguous() for t in tensors]]
         for tag, part in enumerate(parts):
             self._sending.append((self.p2p.send([part], dst, tag), part))
 

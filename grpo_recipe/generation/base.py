@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from grpo_recipe.dist.group import first_error
+from grpo_recipe.dist.collectives import first_error
 from grpo_recipe.dist.liveness import is_collective_failure
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_recipe.algo.buffer import left_pad
-from grpo_recipe.dist.group import device
+from grpo_recipe.dist.collectives import device
 from grpo_recipe.generation.base import Completions, StopStrings, finish
 from grpo_recipe.model.engine import gathered_for_generation
 

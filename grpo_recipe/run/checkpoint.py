@@ -25,12 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from grpo_recipe.algo.schedule import depends_on_max_steps
 from grpo_recipe.config.schema import Config
 from grpo_recipe.dist import signals
-from grpo_recipe.dist.group import first_error
+from grpo_recipe.dist.collectives import all_gather_object, any_rank, barrier, every_rank, first_error
 from grpo_recipe.run.outdir import in_lineage
 
 # Fields that may change between a run and its resumption; every other field must match. Evaluation, samples and
@@ -172,10 +171,7 @@ class Checkpointer:
 
     def stop_requested(self) -> bool:
         """True on every rank once any rank got SIGTERM/SIGUSR1 (ranks may see the signal at different steps)."""
-        flag = torch.tensor([1.0 if signals.pending() else 0.0])
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(signals.pending() is not None)
 
     # --- saving -------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -198,7 +194,7 @@ class Checkpointer:
             failure = sums if isinstance(sums, tuple) else first_error(self._publish(tmp, final, step, sums))
         if failure is not None:
             free, inodes = free_space(self.root)  # measured on every rank before the partial folder goes
-            dist.barrier()
+            barrier()
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             full = "the disk is full" + (" (no free inodes)" if inodes == 0 else "") \
@@ -215,7 +211,7 @@ class Checkpointer:
             except OSError as e:  # the checkpoint itself is complete; resuming finds it without `latest`
                 print(f"warning: {final} saved, but updating {self.root / 'latest'} failed: {one_line(e)}",
                       file=sys.stderr)
-        dist.barrier()
+        barrier()
         return final
 
     def _write(self, engine, tmp: Path, loop_state: dict) -> str | None:
@@ -245,7 +241,7 @@ class Checkpointer:
                     tmp.mkdir(parents=True)
                 except OSError as e:
                     errors.append(f"{tmp}: {one_line(e)}")
-            dist.barrier()
+            barrier()
             engine.save_checkpoint(str(tmp), tag="ds", save_latest=False)
             if not errors:
                 path = tmp / f"loop_rank{self.rank}.pt"
@@ -269,10 +265,7 @@ class Checkpointer:
         failure = first_error(error)
         if failure is not None:
             return failure
-        parts = [mine]
-        if self.world > 1:
-            parts = [None] * self.world
-            dist.all_gather_object(parts, mine)
+        parts = all_gather_object(mine)
         return {k: v for part in parts for k, v in part.items()}
 
     def _publish(self, tmp: Path, final: Path, step: int, sums: dict[str, str]) -> str | None:
@@ -292,10 +285,7 @@ class Checkpointer:
 
     def _all(self, ok: bool) -> bool:
         """Whether `ok` holds on every rank (so that every rank takes the same branch)."""
-        flag = torch.tensor([int(ok)])
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return every_rank(ok)
 
     def kept_note(self) -> str:
         kept = [p.name for p in self._candidates() if self._problem(p) is None]

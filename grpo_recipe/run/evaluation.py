@@ -15,7 +15,7 @@ import time
 import torch
 
 from grpo_recipe.dist import signals
-from grpo_recipe.dist.group import all_reduce_named, device
+from grpo_recipe.dist.collectives import all_reduce_named, device
 from grpo_recipe.generation import generate_on_every_rank
 from grpo_recipe.rewards.funcs import RewardError, RewardStopped, score
 from grpo_recipe.run.checkpoint import rng_state, set_rng_state

@@ -253,7 +253,7 @@ def decide(cfg: Config, folder: Path, find, checkpoint_run_id) -> Claim:
 
 def claim(cfg: Config, rank: int, world: int, find, checkpoint_run_id) -> tuple[Claim, OutputLock | None]:
     """Rank 0 locks the folder and decides; every rank gets the same Claim, or the same OutputDirError."""
-    import torch.distributed as dist
+    from grpo_recipe.dist.collectives import broadcast_object
 
     lock, result = None, None
     if rank == 0:
@@ -266,10 +266,7 @@ def claim(cfg: Config, rank: int, world: int, find, checkpoint_run_id) -> tuple[
             result = str(e)
         except Exception as e:  # noqa: BLE001 -- e.g. a CheckpointError: shared, then raised on every rank
             result = e
-    if world > 1:
-        box = [result]
-        dist.broadcast_object_list(box, src=0)
-        result = box[0]
+    result = broadcast_object(result)
     if isinstance(result, str):
         if lock is not None:
             lock.release()
