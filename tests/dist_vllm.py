@@ -70,6 +70,13 @@ def main():
     engine = eng.init_engine(load_model(path, cfg), cfg, world)
     gen = build_generator(cfg, engine, tok)
     gen.chunk_numel = 40_000  # several gathers per sync even for the tiny model
+    # which F.linear vLLM's model sees when it runs (zero.Init installed ZeRO-3's for the whole process)
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+
+    linear_seen = []
+    vllm_model = gen.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    vllm_model.register_forward_pre_hook(
+        lambda m, a: linear_seen.append(torch.nn.functional.linear is getattr(patcher, "linear_bk", None)))
     chunks = [0]
     orig_gather = deepspeed.zero.GatheredParameters.__enter__
 
@@ -107,6 +114,8 @@ def main():
     err = torch.tensor([logp_err])
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     report = {"greedy_before_training": bool(flat[0]), "syncs": gen.syncs, "logp_max_abs_err": err.item(),
+              "zero3_linear_installed": torch.nn.functional.linear is not getattr(patcher, "linear_bk", None),
+              "vllm_forwards_with_torch_linear": [sum(linear_seen), len(linear_seen)],
               "rounds": [{**x, **{k: bool(flat[1 + 3 * i + j]) for j, k in
                                   enumerate(("stale_differs", "after_matches", "weights_moved"))}}
                          for i, x in enumerate(results)]}
@@ -130,8 +139,9 @@ def engine_greedy(gen, prompts):
         dist.all_gather_object(parts, prompts)
         mine = slice(dist.get_rank() * len(prompts), (dist.get_rank() + 1) * len(prompts))
         prompts = [p for part in parts for p in part]
-    outs = gen.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
-                            lora_request=gen.adapter.request if gen.adapter else None)[mine]
+    with eng.torch_linear():  # as the generator runs vLLM
+        outs = gen.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+                                lora_request=gen.adapter.request if gen.adapter else None)[mine]
     return finish([list(o.outputs[0].token_ids) for o in outs], gen.tok.eos_token_id, gen.tok,
                   gen.cfg.max_completion_length).ids
 

