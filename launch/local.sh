@@ -13,5 +13,4 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${VENV_PY:-$REPO/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 export NPROC_PER_NODE="${NPROC:-${NPROC_PER_NODE:-}}" NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 LAUNCHER_NAME=local.sh
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per rank: 2 threads per rank ran ~10x slower here
 exec "$PY" "$REPO/launch/node.py" "$@"

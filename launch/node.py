@@ -171,13 +171,22 @@ def env_int(name: str, default: int, minimum: int = 0, maximum: int | None = Non
     return value
 
 
-def rank_environment(env: dict, gpus: int) -> dict:
-    """The ranks' environment: DeepSpeed's CPU accelerator on a node without GPUs, and one thread per rank
-    unless the user chose (two threads per CPU rank ran ~10x slower here)."""
+def rank_environment(env: dict, gpus: int, nproc: int) -> dict:
+    """The ranks' environment, unless the user chose: on a node without GPUs DeepSpeed's CPU accelerator and one
+    thread per rank (two threads per CPU rank ran ~10x slower here); on a GPU node this node's cores shared among
+    its ranks (their CPU work, an offloaded optimizer's Adam above all, is threaded). DS_ACCELERATOR=cpu inherited
+    on a GPU node (a shell or an sbatch environment made for CPU runs) would partition on the CPU while the inputs
+    are on the GPU: one line and exit 2, before any rank starts."""
     env = dict(env)
     if gpus == 0:
         env["DS_ACCELERATOR"] = "cpu"
-    env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+    if env.get("DS_ACCELERATOR", "").lower() == "cpu":
+        log(f"DS_ACCELERATOR=cpu is set, but this node has {gpus} GPU(s): unset it to train on them, or hide them "
+            f"(CUDA_VISIBLE_DEVICES=) to train on the CPU")
+        sys.exit(2)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max(nproc, 1))))
     return env
 
 
@@ -196,7 +205,7 @@ def main() -> int:
     nnodes = env_int("NNODES", 1, minimum=1)
     node = env_int("NODE_RANK", 0, maximum=nnodes - 1)
     env_int("MASTER_PORT", 0, maximum=65535)
-    env = rank_environment(dict(os.environ, MASTER_ADDR=os.environ.get("MASTER_ADDR") or "127.0.0.1"), gpus)
+    env = rank_environment(dict(os.environ, MASTER_ADDR=os.environ.get("MASTER_ADDR") or "127.0.0.1"), gpus, nproc)
     log(f"{nproc} ranks on {'GPU' if gpus else 'CPU'}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
     return run_ranks(sys.argv[1:], nproc, node, nnodes, env, own_session=True)
 

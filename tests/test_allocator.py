@@ -41,3 +41,15 @@ def test_freed_memory_goes_back_with_the_fixed_threshold_and_stays_without():
 def test_an_environment_that_chose_a_threshold_keeps_it():
     configured, _ = kept_mib(True, MALLOC_MMAP_THRESHOLD_="1048576")
     assert not configured
+
+
+def test_gpu_ranks_keep_glibcs_defaults(tmp_path):
+    """A GPU rank's host heap holds no model (and pinned buffers bypass it): the threshold is set on CPU ranks only."""
+    from grpo_recipe.dist.allocator import has_gpu
+
+    assert not has_gpu({}, str(tmp_path))
+    (tmp_path / "nvidia0").touch()
+    (tmp_path / "nvidiactl").touch()
+    assert has_gpu({}, str(tmp_path)) and has_gpu({"CUDA_VISIBLE_DEVICES": "1,2"}, str(tmp_path))
+    assert not has_gpu({"CUDA_VISIBLE_DEVICES": ""}, str(tmp_path))
+    assert not has_gpu({"CUDA_VISIBLE_DEVICES": "-1"}, str(tmp_path))

@@ -31,6 +31,22 @@ def test_recipe_fills_every_auto_field(name):
     assert conf["zero_optimization"]["stage"] in (0, 3)
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_adam_is_torchs_fused_adamw_on_every_device_so_nothing_is_compiled(name, cuda, monkeypatch, tmp_path):
+    """DeepSpeed's FusedAdam (nvcc at the first GPU run) and CPUAdam (a C++ build) are never asked for; a config
+    that names torch_adam itself keeps its choice."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+    cfg = Config(deepspeed_config=f"ds_configs/{name}", bf16="false")
+    params = ds_config(cfg, world_size=2, hidden_size=64)["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["fused"] is True
+    own = json.loads((REPO / "ds_configs" / name).read_text())
+    own["optimizer"]["params"]["torch_adam"] = False
+    (tmp_path / name).write_text(json.dumps(own))
+    params = ds_config(Config(deepspeed_config=str(tmp_path / name), bf16="false"), 2, 64)["optimizer"]["params"]
+    assert params["torch_adam"] is False and "fused" not in params
+
+
 def test_every_config_file_is_plain_json_with_a_zero_stage():
     assert {"zero2.json", "zero3.json", "zero3_offload.json"} <= set(CONFIGS)
     for name in CONFIGS:

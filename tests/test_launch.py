@@ -222,3 +222,39 @@ def test_a_bad_launcher_setting_is_one_line_and_exit_2(tmp_path, env, line):
                           text=True, env=rank_env(VENV_PY=sys.executable, **env), timeout=120)
     assert proc.returncode == 2 and line in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def launch_node():
+    import importlib.util
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    spec = importlib.util.spec_from_file_location("launch_node", REPO / "launch" / "node.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:  # the launcher records stop signals from its first line: not in this test process
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    return module
+
+
+def test_rank_environment_by_device(monkeypatch, capsys):
+    """CPU nodes: DeepSpeed's CPU accelerator, one thread per rank. GPU nodes: no CPU accelerator and the node's
+    cores shared among its ranks (an offloaded optimizer's Adam is threaded); the user's own choice is kept."""
+    node = launch_node()
+    monkeypatch.setattr(node.os, "sched_getaffinity", lambda pid: set(range(16)))
+    cpu = node.rank_environment({}, gpus=0, nproc=2)
+    assert cpu["DS_ACCELERATOR"] == "cpu" and cpu["OMP_NUM_THREADS"] == "1"
+    gpu = node.rank_environment({}, gpus=4, nproc=4)
+    assert "DS_ACCELERATOR" not in gpu and gpu["OMP_NUM_THREADS"] == "4"
+    assert node.rank_environment({}, gpus=8, nproc=32)["OMP_NUM_THREADS"] == "1"
+    assert node.rank_environment({"OMP_NUM_THREADS": "3"}, gpus=4, nproc=4)["OMP_NUM_THREADS"] == "3"
+
+
+def test_an_inherited_cpu_accelerator_on_a_gpu_node_is_refused_before_any_rank_starts(capsys):
+    node = launch_node()
+    with pytest.raises(SystemExit) as e:
+        node.rank_environment({"DS_ACCELERATOR": "cpu"}, gpus=2, nproc=2)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DS_ACCELERATOR=cpu" in err[0] and "CUDA_VISIBLE_DEVICES=" in err[0]

@@ -125,3 +125,29 @@ def test_a_local_model_folder_needs_config_weights_and_tokenizer(tmp_path, tiny_
     with pytest.raises(ConfigError, match=r"empty is not a model folder: it has no config.json and no weights "
                                           r"\(\*.safetensors, pytorch_model\*.bin\) and no tokenizer files"):
         model_folder("./empty")
+
+
+def test_a_cpu_accelerator_on_a_gpu_rank_is_one_line_before_anything_starts():
+    from grpo_recipe.run.preflight import check_accelerator
+
+    check_accelerator(cuda=False, ds_accelerator="cpu")  # a CPU run
+    check_accelerator(cuda=True, ds_accelerator=None)
+    check_accelerator(cuda=True, ds_accelerator="cuda")
+    with pytest.raises(ConfigError, match=r"DS_ACCELERATOR=cpu is set, but this rank has a GPU.*CUDA_VISIBLE_DEVICES="):
+        check_accelerator(cuda=True, ds_accelerator="cpu")
+
+
+def test_a_colocated_vllm_share_that_cannot_fit_is_refused_before_the_engine_is_built():
+    from grpo_recipe.run.preflight import check_vllm_memory, training_shard_bytes
+
+    gib = 2**30
+    # 8B parameters, bf16, full fine-tune on 8 GPUs of 80 GiB: 2 + 4 + 4 + 8 = 18 bytes/param over 8 ranks = 16.8 GiB
+    shard = training_shard_bytes(8 * 10**9, 8 * 10**9, 8, bf16=True, offload=False)
+    assert abs(shard / gib - 16.76) < 0.01
+    check_vllm_memory(0.5, 79 * gib, 80 * gib, shard, gpu=0)
+    with pytest.raises(ConfigError, match=r"leaves 8\.0 GiB of GPU 3 for training, which keeps at least 16\.8 GiB"):
+        check_vllm_memory(0.9, 79 * gib, 80 * gib, shard, gpu=3)
+    with pytest.raises(ConfigError, match=r"0\.5 of GPU 1 is 40\.0 GiB, but only 30\.0 GiB of its 80\.0 GiB are free"):
+        check_vllm_memory(0.5, 30 * gib, 80 * gib, shard, gpu=1)
+    # an offloaded optimizer keeps only the weights' shard on the GPU
+    assert training_shard_bytes(8 * 10**9, 8 * 10**9, 8, bf16=True, offload=True) == 2 * 10**9

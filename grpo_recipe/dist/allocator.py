@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import glob
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
@@ -23,9 +24,18 @@ def _libc():
         return None
 
 
+def has_gpu(env=os.environ, dev: str = "/dev") -> bool:
+    """Whether this process would see an NVIDIA GPU, asked without torch (which it precedes): a device file, and
+    no CUDA_VISIBLE_DEVICES that hides them all."""
+    if env.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1", "NoDevFiles"):
+        return False
+    return bool(glob.glob(os.path.join(dev, "nvidia[0-9]*")))
+
+
 def configure() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB (returns whether it was set here)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    """Fix glibc's mmap threshold at 1 MiB (returns whether it was set here). Not on a GPU rank: its host memory
+    holds no model, and its large host buffers (pinned staging, an offloaded optimizer) do not come from the heap."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or has_gpu():
         return False
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):  # not glibc (musl, macOS): nothing to tune

@@ -20,14 +20,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(accelerator: str | None = "cpu", **extra) -> dict[str, str]:
-    """This process's environment for ranks started from it: DeepSpeed's `accelerator` (None: DeepSpeed picks),
-    one thread per rank (two ran ~10x slower per step on CPU), no tokenizer threads, the repository first on
-    PYTHONPATH; then `extra`."""
+def rank_env(accelerator: str | None = "auto", **extra) -> dict[str, str]:
+    """This process's environment for ranks started from it: DeepSpeed's `accelerator` ("auto": the CPU's where
+    torch sees no GPU, else DeepSpeed picks; None: DeepSpeed picks), one thread per rank (two ran ~10x slower per
+    step on CPU), no tokenizer threads, the repository first on PYTHONPATH; then `extra`."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+    if accelerator == "auto":
+        import torch  # the callers (tests, benchmarks) have it; launchers do not call this
+
+        accelerator = None if torch.cuda.is_available() else "cpu"
     if accelerator is not None:
         env["DS_ACCELERATOR"] = accelerator
+    elif env.get("DS_ACCELERATOR") == "cpu":  # a GPU rank must not inherit the CPU accelerator
+        del env["DS_ACCELERATOR"]
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -44,10 +44,12 @@ def ds_config(cfg: Config, world_size: int, hidden_size: int, train: bool = True
         opt["params"] = {k: fill.get(k, v) if v == "auto" else v for k, v in opt.get("params", {}).items()}
         for k, v in fill.items():
             opt["params"].setdefault(k, v)
-        # Fused and CPU Adam kernels compile for about a minute on CPU; torch's AdamW is as exact.
-        if not torch.cuda.is_available() and opt.get("type", "").lower() in ("adam", "adamw"):
+        # DeepSpeed's FusedAdam and CPUAdam are compiled at the first run (nvcc and CUDA_HOME on GPUs, every rank
+        # racing for torch's extension lock; about a minute on CPU). torch's fused AdamW is as exact and compiles
+        # nothing, on CUDA and CPU (an offloaded optimizer too); a config that names torch_adam keeps its choice.
+        if opt.get("type", "").lower() in ("adam", "adamw") and "torch_adam" not in opt["params"]:
             opt["params"]["torch_adam"] = True
-            opt["params"]["fused"] = True  # no temporaries the size of the partition (foreach makes several)
+            opt["params"].setdefault("fused", True)  # no temporaries the size of the partition (foreach: several)
     if not train:
         for key in ("optimizer", "scheduler"):
             conf.pop(key, None)

@@ -32,9 +32,13 @@ def preflight(cfg: Config) -> None:
         stage = ds.get("zero_optimization", {}).get("stage", 0)
         need(stage == 3, f"hf_generation_gather: per_layer needs a ZeRO-3 deepspeed_config; {cfg.deepspeed_config} "
                          f"is stage {stage}, where every rank holds all weights (use full)")
-    if str(cfg.bf16).lower() == "true":
-        cuda = torch.cuda.is_available()
-        check_bf16(cuda, cuda and torch.cuda.is_bf16_supported(), torch.cuda.get_device_name() if cuda else "")
+    check_accelerator(torch.cuda.is_available(), os.environ.get("DS_ACCELERATOR"))
+    if str(cfg.bf16).lower() == "true" and torch.cuda.is_available():
+        # this rank's GPU, asked without a context on it (is_bf16_supported allocates on GPU 0, on every rank)
+        gpu = int(os.environ.get("LOCAL_RANK", "0"))
+        check_bf16(True, torch.cuda.get_device_capability(gpu) >= (8, 0), torch.cuda.get_device_name(gpu))
+    elif str(cfg.bf16).lower() == "true":
+        check_bf16(False, False, "")
     if looks_like_file(cfg.dataset_name):
         need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
     check_output_dir(cfg.output_dir)
@@ -50,6 +54,16 @@ def preflight(cfg: Config) -> None:
     check_disk_space(cfg, folder, ds)
     if cfg.generation_backend == "vllm":
         check_vllm(cfg, folder)
+        if torch.cuda.is_available() and not cfg.generation_ranks and folder is not None:  # colocated
+            gpu = int(os.environ.get("LOCAL_RANK", "0"))
+            free, total = torch.cuda.mem_get_info(gpu)
+            params = weight_count(folder)
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            offload = "offload_optimizer" in ds.get("zero_optimization", {})
+            bf16 = str(cfg.bf16).lower() in ("true", "auto")
+            trainable = params // 100 if cfg.use_peft else params  # an adapter: about a percent, at most
+            check_vllm_memory(cfg.vllm_gpu_memory_utilization, free, total,
+                              training_shard_bytes(params, trainable, world, bf16, offload), gpu)
     try:
         load_reward_funcs(cfg.reward_funcs)  # imports only: nothing runs, so a typo fails before launch
     except RewardError as e:
@@ -119,6 +133,12 @@ def check_disk_space(cfg: Config, folder: Path | None, ds: dict) -> None:
               f"{limit + 1} checkpoints a save may need ({space_note(limit, needed)})", file=sys.stderr)
 
 
+def check_accelerator(cuda: bool, ds_accelerator: str | None) -> None:
+    """DeepSpeed's CPU accelerator on a rank with a GPU would partition the model on the CPU while the inputs go
+    to the GPU (an environment made for CPU runs: a shell, an sbatch script's exported variables)."""
+    need(not (cuda and (ds_accelerator or "").lower() == "cpu"),
+         "DS_ACCELERATOR=cpu is set, but this rank has a GPU: unset it to train on the GPU, or hide the GPUs "
+         "(CUDA_VISIBLE_DEVICES=) to train on the CPU")
 
 
 def check_bf16(cuda: bool, supported: bool, device_name: str) -> None:
@@ -127,24 +147,25 @@ def check_bf16(cuda: bool, supported: bool, device_name: str) -> None:
                                 f"use bf16: false (fp32)")
 
 
+def check_vllm_memory(util: float, free: int, total: int, shard_bytes: int, gpu: int) -> None:
+    """A colocated vLLM engine takes `util` of its GPU's memory when it starts, after the ZeRO-3 engine is built
+    and loaded: refuse now what would fail then, minutes in. `shard_bytes`: a lower bound of what training keeps
+    on the GPU (this rank's shards of the weights, the gradients and the optimizer state)."""
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    need(util * total <= free, f"vllm_gpu_memory_utilization: {util:g} of GPU {gpu} is {gib(util * total)}, but only "
+                               f"{gib(free)} of its {gib(total)} are free (other processes on it?): lower it")
+    need((1 - util) * total >= shard_bytes,
+         f"vllm_gpu_memory_utilization: {util:g} leaves {gib((1 - util) * total)} of GPU {gpu} for training, which "
+         f"keeps at least {gib(shard_bytes)} there (its ZeRO-3 shards alone): lower it, use more GPUs, or "
+         f"offload the optimizer (ds_configs/zero3_offload.json)")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+def training_shard_bytes(params: int, trainable: int, world: int, bf16: bool, offload: bool) -> int:
+    """This rank's share of the weights (16- or 32-bit), and of the trainable parameters' fp32 master copy,
+    gradients and Adam moments unless the optimizer is offloaded."""
+    weights = params * (2 if bf16 else 4)
+    state = 0 if offload else trainable * ((4 if bf16 else 0) + 4 + 8)
+    return (weights + state) // max(world, 1)
 
 
 def check_vllm(cfg: Config, folder: Path | None) -> None:

@@ -55,7 +55,7 @@ def main() -> int:
     node, nnodes = int(os.environ["SLURM_NODEID"]), int(os.environ["SLURM_NNODES"])
     gpus = gpus_on_node()
     nproc = env_int("NPROC_PER_NODE", gpus or 1, minimum=1)
-    env = rank_environment(dict(os.environ), gpus)
+    env = rank_environment(dict(os.environ), gpus, nproc)
     args = recipe_args(sys.argv[1:], int(os.environ.get("SLURM_RESTART_COUNT") or 0))
     log(f"node {node}/{nnodes}: ranks {node * nproc}..{node * nproc + nproc - 1} of {nnodes * nproc} "
         f"({f'{gpus} GPUs' if gpus else 'CPU'}), rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
