@@ -351,3 +351,29 @@ def test_a_tied_lookup_completes_the_heads_deferred_gradient_in_place(head_has_g
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(grad, want_grad, atol=1e-5, rtol=1e-5)
     assert deferred == {}  # consumed
+
+
+def test_chunks_are_cache_sized_on_cpu_and_few_on_a_gpu():
+    """A 152k vocabulary: 4 MiB chunks are ~7 positions (fine for a CPU's cache, thousands of kernel launches on a
+    GPU); on CUDA a chunk covers hundreds of positions."""
+    from grpo_recipe.algo.loss import HEAD_CHUNK_ELEMENTS, LOGPS_CHUNK_ELEMENTS, chunk_elements
+
+    vocab = 151936
+    assert chunk_elements(torch.device("cpu"), LOGPS_CHUNK_ELEMENTS) // vocab == 6
+    assert chunk_elements(torch.device("cuda", 1), LOGPS_CHUNK_ELEMENTS) // vocab >= 400
+    assert chunk_elements(torch.device("cuda", 0), HEAD_CHUNK_ELEMENTS) // vocab >= 400
+
+
+def test_tf32_is_on_only_inside_a_mixed_precision_heads_gradient_sum():
+    from grpo_recipe.algo.loss import tf32_matmuls
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    with tf32_matmuls(True):
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with tf32_matmuls(False):
+            assert torch.backends.cuda.matmul.allow_tf32 is False  # an fp32 run keeps full fp32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
