@@ -1,16 +1,25 @@
-"""The GPU check: bf16 ZeRO-3 training against the fp32 run, HF generation in both gather modes, peak device
-memory, tokens/s and model FLOPs utilization, on a Qwen2.5-0.5B-shaped model (random weights), one device.
+"""The GPU check: what a first multi-GPU run needs, proven in one call on one device.
 
     bash bench/gpu_check.sh          # on a GPU machine: writes bench/results/gpu_check.json
-    bash bench/gpu_check.sh --cpu    # the same steps with a small model on CPU (CI's dry run)
+    bash bench/gpu_check.sh --cpu    # the same steps with small models on CPU (CI's dry run)
 
-Everything runs through the recipe's own code: partitioned loading, the DeepSpeed engine (ZeRO-3, world of
-one), the rollout update and the HF generator.
+Sections, each written to the results file as soon as it is done (a run cut short keeps what it measured):
+- loop: the real training loop (`python -m grpo_recipe.train`, built-in tiny model) with every collective forced
+  on at a world of one (GRPO_FORCE_COLLECTIVES=1: NCCL gets the recipe's own tensors as two GPUs would give it),
+  a checkpoint and a resume against the uninterrupted run, and LoRA with beta > 0 (the reference forward);
+- train: bf16 ZeRO-3 updates against fp32 on a Qwen2.5-0.5B-shaped model (random weights): log-probs, loss and
+  gradient norm, peak allocated and reserved memory, step time, tokens/s and model FLOPs utilization;
+- logprob_paths: the fused output head against the chunked logits path on the same tokens (values, seconds,
+  memory);
+- generation: HF generation in both gather modes (greedy tokens equal), tokens/s, memory;
+- vllm: whether vLLM can be imported here (a GPU machine without network cannot install it).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,7 +57,9 @@ class Memory:
         if self.cuda:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated()
+            self.reserved = torch.cuda.max_memory_reserved()  # what the caching allocator held: the real footprint
         else:
+            self.reserved = None
             self.sampler.mark("phase")
             self.peak = self.sampler.stop()["peak_bytes"] + self.sampler.base
         self.seconds = time.perf_counter() - self.t0
@@ -109,6 +120,7 @@ def train_run(precision: str, folder: str, ds_file: str, size: dict, cuda: bool,
     res = {"param_dtype": str(next(engine.module.parameters()).dtype), "load_peak_bytes": load.peak,
            "losses": [o["loss"] for o in outs], "grad_norms": [o.get("grad_norm") for o in outs],
            "step_seconds": step.seconds / len(outs), "train_peak_bytes": step.peak,
+           "train_peak_reserved_bytes": step.reserved,
            "completion_tokens_per_s": tokens / step.seconds,
            "all_tokens_per_s": float(buf.attention_mask.sum()) * cfg.num_iterations / step.seconds,
            "model_tflops_per_s": flops / step.seconds / 1e12, "old_logps": buf.old_logps, "mask": buf.completion_mask}
@@ -135,20 +147,103 @@ def generation(engine, folder: str, size: dict, cuda: bool, vocab: int) -> dict:
             out = gen.generate(prompts[:size["gen_prompts"] // 2], seed=0)
         tokens = float(out.mask.sum())
         res[mode] = {"sequences": len(out.ids), "tokens": tokens, "seconds": m.seconds, "tokens_per_s": tokens / m.seconds,
-                     "peak_bytes": m.peak, "ids": out.ids}
+                     "peak_bytes": m.peak, "peak_reserved_bytes": m.reserved, "ids": out.ids}
     res["greedy_equal"] = res["full"].pop("ids") == res["per_layer"].pop("ids")
+    return res
+
+
+LOOP_ARGS = ["--config", "grpo_recipe/configs/quickstart.yaml", "--num_iterations", "2", "--per_device_train_batch_size",
+             "8", "--gradient_accumulation_steps", "1", "--max_completion_length", "16", "--disable_tqdm", "true",
+             "--save_total_limit", "3"]
+
+
+def loop(work: Path, cuda: bool) -> dict:
+    """The recipe's own loop, as a user starts it (a world of one, every collective forced on): 4 steps with a
+    checkpoint at step 2; 2 steps, then a resume to 4 from that checkpoint (final weights compared with the
+    uninterrupted run's); LoRA with beta > 0 (the adapter-off reference forward) for 2 steps."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from grpo_recipe.dist.collectives import FORCE_ENV
+    from grpo_recipe.dist.env import rank_env
+    from grpo_recipe.run.metrics import read_jsonl
+
+    env = rank_env(**{FORCE_ENV: "1"})
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # a plain process: the recipe makes its own world of one
+
+    def train(name: str, *args: str) -> dict:
+        out = work / name
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "grpo_recipe.train", *LOOP_ARGS, "--output_dir", str(out), *args],
+                              cwd=BENCH.parent, env=env, capture_output=True, text=True, timeout=240)
+        recs = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] if (out / "metrics.jsonl").is_file() else []
+        return {"exit_code": proc.returncode, "seconds": time.perf_counter() - t0, "steps": len(recs),
+                "losses": [r["loss"] for r in recs], "rewards": [r["reward_mean"] for r in recs],
+                "kl": [r.get("kl") for r in recs], "stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+
+    def weights(name: str) -> dict:
+        return {k: v.float() for f in sorted((work / name / "final").glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    res = {"full": train("full", "--max_steps", "4", "--save_steps", "2", "--overwrite_output_dir", "true")}
+    res["first_half"] = train("resumed", "--max_steps", "2", "--save_steps", "2", "--overwrite_output_dir", "true")
+    res["resumed"] = train("resumed", "--max_steps", "4", "--save_steps", "2", "--resume_from_checkpoint", "auto")
+    res["lora_beta"] = train("lora", "--use_peft", "true", "--beta", "0.04", "--learning_rate", "1e-3", "--max_steps",
+                             "2", "--save_steps", "0", "--overwrite_output_dir", "true")
+    ok = all(r["exit_code"] == 0 for r in res.values())
+    if ok:
+        a, b = weights("full"), weights("resumed")
+        res["resume_max_abs_diff"] = max((a[k] - b[k]).abs().max().item() for k in a)
+        res["resume_bit_exact"] = res["resume_max_abs_diff"] == 0.0
+        res["resume_same_losses"] = res["full"]["losses"] == res["resumed"]["losses"]  # its metrics keep steps 1-2
+    finite = all(math.isfinite(x) for r in res.values() if isinstance(r, dict) for x in r.get("losses", []))
+    res["passed"] = ok and finite and res["full"]["steps"] == 4 and res["lora_beta"]["steps"] == 2 \
+        and all(k is not None for k in res["lora_beta"]["kl"])
+    return res
+
+
+def logprob_paths(engine, hf_config, size: dict, cuda: bool) -> dict:
+    """The fused head (log-probs chunk by chunk from the head itself) against the chunked logits path, on one
+    micro-batch of the same tokens: values, seconds and memory of forward + backward."""
+    from grpo_recipe.algo import update as upd
+
+    buf = rollout(None, size, hf_config.vocab_size, seed=3)
+    mb = slice(0, size["micro_batch"])
+    ids, attn, width = buf.input_ids[mb], buf.attention_mask[mb], buf.completion_mask.shape[1]
+    dev = next(engine.module.parameters()).device
+    ids, attn = ids.to(dev), attn.to(dev)
+    res, values = {}, {}
+    saved = upd.FUSED_HEAD_MODELS
+    try:
+        for path, models in (("fused", saved), ("chunked", frozenset())):
+            upd.FUSED_HEAD_MODELS = models
+            assert (upd.fused_head(engine) is not None) == (path == "fused")
+            engine.backward(upd.forward_logps(engine, ids, attn, width, 1.0).sum())  # warm-up (no optimizer step)
+            with Memory(cuda) as m:
+                lp = upd.forward_logps(engine, ids, attn, width, 1.0)
+                engine.backward(lp.sum())
+            values[path] = lp.detach().float().cpu()
+            res[path] = {"seconds": m.seconds, "peak_bytes": m.peak, "peak_reserved_bytes": m.reserved}
+    finally:
+        upd.FUSED_HEAD_MODELS = saved
+    known = buf.completion_mask[mb].bool()
+    res["max_abs_diff"] = (values["fused"] - values["chunked"])[known].abs().max().item()
+    res["mean_abs_logp"] = values["chunked"][known].abs().mean().item()
+    res["agree"] = res["max_abs_diff"] <= 0.02 * max(res["mean_abs_logp"], 1e-6) + 1e-3
     return res
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu", action="store_true", help="small model on CPU (the dry run)")
+    ap.add_argument("--cpu", action="store_true", help="small models on CPU (the dry run)")
     ap.add_argument("--out", default=None, help="default: bench/results/gpu_check.json (GPU) or gpu_check_cpu.json")
     args = ap.parse_args()
     t_start = time.perf_counter()
     from common import RESULTS, machine
     from measure import QWEN05B, SMOKE, build_model
 
+    from grpo_recipe.dist.collectives import FORCE_ENV
     from grpo_recipe.dist.group import init_distributed
     from grpo_recipe.model.tiny import cache_root
 
@@ -156,14 +251,38 @@ def main() -> int:
     if not cuda and not args.cpu:
         raise SystemExit("gpu_check: no GPU here; run with --cpu for the dry run")
     size = SIZES["gpu" if cuda else "cpu"]
+    out = Path(args.out) if args.out else RESULTS / ("gpu_check.json" if cuda else "gpu_check_cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = RESULTS / "tmp" / "gpu_check"
+    work.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    import deepspeed
+    import peft
+    import transformers
+
+    result = {"command": "bash bench/gpu_check.sh" + (" --cpu" if not cuda else ""), "device": name, "sizes": size,
+              "machine": machine(cuda=torch.version.cuda, transformers=transformers.__version__, peft=peft.__version__,
+                                 deepspeed=deepspeed.__version__,
+                                 deepspeed_from=str(Path(deepspeed.__file__).parent.parent)),
+              "sections_done": []}
+
+    def done(section: str, value) -> None:  # written at once: a check cut short keeps what it measured
+        result[section] = value
+        result["sections_done"].append(section)
+        result["wall_s"] = time.perf_counter() - t_start
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"gpu_check: {section} done at {result['wall_s']:.0f} s", file=sys.stderr, flush=True)
+
+    done("loop", loop(work / "loop", cuda))
+    os.environ[FORCE_ENV] = "1"  # this process's own collectives (the update's statistics) run at a world of one too
     init_distributed()
     folder = str(build_model(QWEN05B if cuda else SMOKE,
                              cache_root() / ("bench-qwen2.5-0.5b-shape" if cuda else "bench-smoke-shape")))
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(folder)
-    work = RESULTS / "tmp" / "gpu_check"
-    work.mkdir(parents=True, exist_ok=True)
+    result["model_shape"] = {k: getattr(hf_config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                                "num_hidden_layers", "num_attention_heads")}
     ds_file = ds_config_file(work)
     fp32, engine = train_run("fp32", folder, ds_file, size, cuda, hf_config)
     engine.destroy()
@@ -171,7 +290,6 @@ def main() -> int:
     if cuda:
         torch.cuda.empty_cache()
     bf16, engine = train_run("bf16", folder, ds_file, size, cuda, hf_config)
-    gen = generation(engine, folder, size, cuda, hf_config.vocab_size)
     known = fp32.pop("mask").bool()
     a, b = fp32.pop("old_logps")[known], bf16.pop("old_logps")[known]
     bf16.pop("mask")
@@ -185,28 +303,26 @@ def main() -> int:
     comparison["within_bf16_tolerance"] = bool(
         comparison["old_logp_mean_abs_diff"] <= 0.01 * comparison["old_logp_mean_abs"]
         and comparison["step2_loss_rel_diff"] <= 0.05 and comparison["step1_grad_norm_rel_diff"] <= 0.05)
-    name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    import deepspeed
-    import peft
-    import transformers
+    result.update(peak_tflops_bf16_dense=peak, mfu_bf16=bf16["model_tflops_per_s"] / peak if peak else None,
+                  train_fp32=fp32, bf16_vs_fp32=comparison)
+    done("train_bf16", bf16)
+    done("generation", generation(engine, folder, size, cuda, hf_config.vocab_size))
+    done("logprob_paths", logprob_paths(engine, hf_config, size, cuda))
+    try:
+        import vllm
 
-    result = {"command": "bash bench/gpu_check.sh" + (" --cpu" if not cuda else ""), "device": name,
-              "model_shape": {k: getattr(hf_config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                                 "num_hidden_layers", "num_attention_heads")},
-              "sizes": size, "train_fp32": fp32, "train_bf16": bf16, "bf16_vs_fp32": comparison, "generation": gen,
-              "mfu_bf16": bf16["model_tflops_per_s"] / peak if peak else None,
-              "peak_tflops_bf16_dense": peak,
-              "machine": machine(cuda=torch.version.cuda, transformers=transformers.__version__,
-                                 peft=peft.__version__, deepspeed=deepspeed.__version__,
-                                 deepspeed_from=str(Path(deepspeed.__file__).parent.parent)),
-              "wall_s": time.perf_counter() - t_start}
-    out = Path(args.out) if args.out else RESULTS / ("gpu_check.json" if cuda else "gpu_check_cpu.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("device", "bf16_vs_fp32", "mfu_bf16", "wall_s")}, indent=1))
+        done("vllm", {"importable": True, "version": vllm.__version__})
+    except ImportError as e:
+        done("vllm", {"importable": False, "why": str(e)[:200]})
+    checks = {"loop": result["loop"]["passed"], "resume_bit_exact": result["loop"].get("resume_bit_exact", False),
+              "bf16_vs_fp32": comparison["within_bf16_tolerance"],
+              "generation_greedy_equal": result["generation"]["greedy_equal"],
+              "logprob_paths_agree": result["logprob_paths"]["agree"]}
+    done("checks", checks)
+    print(json.dumps({k: result[k] for k in ("device", "checks", "mfu_bf16", "wall_s")}, indent=1))
     print(f"gpu_check: wrote {out}")
-    return 0 if comparison["within_bf16_tolerance"] else 1
+    return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":

@@ -300,6 +300,13 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert r["bf16_vs_fp32"]["within_bf16_tolerance"] and r["train_bf16"]["param_dtype"] == "torch.bfloat16"
     assert r["generation"]["greedy_equal"] and r["generation"]["full"]["tokens"] > 0
     assert r["train_bf16"]["completion_tokens_per_s"] > 0 and r["mfu_bf16"] is None  # no peak FLOPs for a CPU
+    # the recipe's own loop at a world of one with forced collectives: a resume equal to the uninterrupted run,
+    # LoRA with the KL term; the fused head and the logits path agree on the same tokens
+    loop = r["loop"]
+    assert loop["passed"] and loop["resume_bit_exact"] and loop["resume_same_losses"], loop
+    assert loop["full"]["steps"] == 4 and all(k is not None for k in loop["lora_beta"]["kl"])
+    assert r["logprob_paths"]["agree"] and r["checks"] == {k: True for k in r["checks"]}
+    assert r["sections_done"] == ["loop", "train_bf16", "generation", "logprob_paths", "vllm", "checks"]
 
 
 def test_gpu_check_refuses_a_wheel_folder_that_is_not_there(tmp_path):
