@@ -210,3 +210,47 @@ def test_resuming_a_finished_run_whose_final_save_failed_writes_it_without_train
     proc = run(out, "--resume_from_checkpoint", "auto", "--max_steps", "4")
     assert "step-00000004 at step 4" in proc.stderr and (out / "final" / "config.json").exists(), proc.stderr[-2000:]
     assert steps(out) == [1, 2, 3, 4]
+
+
+def test_a_record_naming_a_path_outside_the_folder_deletes_nothing_there(tmp_path):
+    """Issue #60.1: run.json's `written` decided what an overwrite deleted, wherever it pointed: `../victim`, an
+    absolute path, or a name under a symlinked folder that leads outside. Now such a record stops the run in one
+    line before anything is touched, and every entry is checked again where it is removed."""
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    run(out, "--max_steps", "2")
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    (out / "elsewhere").symlink_to(victim)
+    record = json.loads((out / "run.json").read_text())
+    for entry in ("../victim", str(victim), "elsewhere/precious.txt"):
+        (out / "run.json").write_text(json.dumps({**record, "written": [entry]}))
+        before = snapshot(out)
+        for mode in (["--overwrite_output_dir", "true"], ["--resume_from_checkpoint", "auto", "--max_steps", "4"]):
+            proc = run(out, *mode, check=False)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            lines = [ln for ln in proc.stderr.splitlines() if "run.json that this recipe did not write" in ln]
+            assert lines and "is not inside the folder" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+            assert (victim / "precious.txt").read_text() == "keep me" and snapshot(out) == before
+
+
+def test_another_tools_run_json_and_run_lock_are_never_taken_over(tmp_path):
+    """Issue #60.3: a foreign run.lock was overwritten and a valid foreign run.json set aside as "unreadable".
+    Both now stop the run in one line, like the recipe's other names; this recipe's own files still work."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"experiment": "theirs", "status": "running"}))
+    before = snapshot(out)
+    proc = run(out, "--max_steps", "1", check=False)
+    assert proc.returncode == 2 and "run.json that this recipe did not write: it has fields this recipe does not " \
+                                   "write (experiment, status)" in proc.stderr, proc.stderr[-2000:]
+    assert snapshot(out) == before and not list(out.glob("run.json.damaged-*"))
+    (out / "run.json").unlink()
+    (out / "run.lock").write_text("locked by their scheduler, job 17\n")
+    proc = run(out, "--max_steps", "1", check=False)
+    assert proc.returncode == 2 and "run.lock that this recipe did not write ('locked by their scheduler" \
+                                   in proc.stderr, proc.stderr[-2000:]
+    assert (out / "run.lock").read_text() == "locked by their scheduler, job 17\n"
+    (out / "run.lock").unlink()
+    run(out, "--max_steps", "1")  # the recipe's own run.json (marked) and run.lock
+    assert json.loads((out / "run.json").read_text())["written_by"] == "grpo_recipe"
+    run(out, "--max_steps", "2", "--resume_from_checkpoint", "auto", "--save_steps", "1")

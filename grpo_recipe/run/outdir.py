@@ -20,6 +20,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -32,6 +33,8 @@ from grpo_recipe.config.schema import Config
 
 LOCK_NAME = "run.lock"
 RECORD_NAME = "run.json"
+WRITTEN_BY = "grpo_recipe"  # run.json's mark (one from before the mark has the same fields without it)
+LOCK_LINE = re.compile(r"pid \d+ on \S+(, Slurm job \S+)?, since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 # The files and folders at fixed names the recipe writes into OUTPUT_DIR (trackers' files are listed in run.json's
 # `written`; inside checkpoints/ only the recipe's step folders, their temporary forms and `latest`).
 FIXED = ("metrics.jsonl", "completions.jsonl", "final", "final.tmp", "final-merged", "final-merged.tmp")
@@ -50,6 +53,15 @@ class OutputLock:
 
     def __init__(self, folder: Path):
         self.path = folder / LOCK_NAME
+        try:  # another tool's run.lock: never taken over (this recipe's holds one line, or nothing yet)
+            held = self.path.read_text(errors="replace").strip() if not self.path.is_symlink() else "a symlink"
+        except FileNotFoundError:
+            held = ""
+        except OSError as e:
+            held = f"unreadable ({e.strerror})"
+        if held and not LOCK_LINE.fullmatch(held):
+            raise OutputDirError(f"output_dir {folder} holds a {LOCK_NAME} that this recipe did not write "
+                                 f"({held[:60]!r}); nothing was touched: move it away or choose another output_dir")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -129,7 +141,7 @@ def remove_recorded(folder: Path, record: dict) -> list[str]:
     """Remove what runs of this recipe wrote into `folder` (its fixed names and run.json's `written`), and the
     folders they leave empty; nothing else. Returns what was removed."""
     removed = []
-    for rel in [*own_names(folder), *record.get("written", []), RECORD_NAME]:
+    for rel in [*own_names(folder), *[w for w in record.get("written", []) if inside(folder, w)], RECORD_NAME]:
         path = folder / rel
         if path.exists() or path.is_symlink():
             _remove(path)
@@ -145,16 +157,47 @@ def remove_recorded(folder: Path, record: dict) -> list[str]:
     return removed
 
 
+def inside(folder: Path, rel) -> bool:
+    """Whether `rel` (a path a state file names) is a path inside `folder`: relative, no `..`, and its parent
+    folder, symlinks resolved, within the folder's (the entry itself, a symlink, is unlinked, never followed)."""
+    p = Path(str(rel))
+    if not isinstance(rel, str) or not p.parts or p.is_absolute() or ".." in p.parts:
+        return False
+    root, parent = folder.resolve(), (folder / p).parent.resolve()
+    return parent == root or root in parent.parents
+
+
+def record_problem(record, folder: Path) -> str | None:
+    """What makes a parsed run.json not one this recipe wrote for this folder; None when it is."""
+    if not isinstance(record, dict):
+        return "it is not a JSON object"
+    if record.get("written_by", WRITTEN_BY) != WRITTEN_BY:
+        return f"it says it was written by {record['written_by']!r}"
+    unknown = sorted(set(record) - {"written_by", "lineage", "written"})
+    if unknown or not isinstance(record.get("lineage"), list):
+        return f"it has fields this recipe does not write ({', '.join(unknown)})" if unknown else "it has no lineage"
+    for seg in record["lineage"]:
+        if not (isinstance(seg, dict) and set(seg) == {"run_id", "from_step"} and isinstance(seg["run_id"], str)
+                and type(seg["from_step"]) is int and seg["from_step"] >= 0):
+            return f"its lineage holds {json.dumps(seg)[:80]}, not a segment (run_id, from_step)"
+    written = record.get("written", [])
+    if not isinstance(written, list):
+        return "its written list is not a list"
+    outside = [w for w in written if not inside(folder, w)]
+    if outside:
+        return f"its written list names {json.dumps(outside[0])[:80]}, which is not inside the folder"
+    return None
+
+
 def read_record(folder: Path) -> dict | None:
     """run.json, or None when there is none (no run of this recipe wrote into the folder). A damaged one (a torn
     write, NUL bytes) is set aside as run.json.damaged-TIME and counts as none: resuming then considers every
-    complete checkpoint in the folder, and nothing is removed on its authority."""
+    complete checkpoint in the folder, and nothing is removed on its authority. A readable one that this recipe
+    did not write (another tool's, or edited: a path outside the folder, a field it never writes) stops the run
+    before anything is touched: nothing is removed or resumed on its authority."""
     path = folder / RECORD_NAME
     try:
         record = json.loads(path.read_text())
-        if not isinstance(record, dict) or not isinstance(record.get("lineage"), list):
-            raise ValueError("no lineage")
-        return record
     except FileNotFoundError:
         return None
     except (OSError, ValueError, UnicodeDecodeError) as e:
@@ -163,6 +206,11 @@ def read_record(folder: Path) -> dict | None:
         print(f"warning: {path} was unreadable ({' '.join(str(e).split())[:120]}); set aside as {kept}: the "
               f"checkpoints in {folder} are intact, and resuming considers every complete one", file=sys.stderr)
         return None
+    problem = record_problem(record, folder)
+    if problem is not None:
+        raise OutputDirError(f"output_dir {folder} holds a {RECORD_NAME} that this recipe did not write: {problem}; "
+                             f"nothing was touched: move it away or choose another output_dir")
+    return record
 
 
 def read_lineage(folder: Path) -> list[dict] | None:
@@ -172,7 +220,7 @@ def read_lineage(folder: Path) -> list[dict] | None:
 
 def write_record(folder: Path, record: dict) -> None:
     tmp = folder / f"{RECORD_NAME}.tmp"
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp.write_text(json.dumps({"written_by": WRITTEN_BY, **record}, indent=1))
     os.replace(tmp, folder / RECORD_NAME)
 
 
