@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from grpo_recipe.config.schema import ConfigError
+from grpo_recipe.config.schema import Config, ConfigError
 from grpo_recipe.dist.env import free_port
 from grpo_recipe.model.source import hub_unreachable, model_folder
 from grpo_recipe.run.preflight import check_output_dir
@@ -151,3 +151,21 @@ def test_a_colocated_vllm_share_that_cannot_fit_is_refused_before_the_engine_is_
         check_vllm_memory(0.5, 30 * gib, 80 * gib, shard, gpu=1)
     # an offloaded optimizer keeps only the weights' shard on the GPU
     assert training_shard_bytes(8 * 10**9, 8 * 10**9, 8, bf16=True, offload=True) == 2 * 10**9
+
+
+def test_the_final_models_space_counts_more_than_its_weights(tmp_path, monkeypatch, tiny_model_dir):
+    """Issue #60.2: 4 bytes x parameters left the tokenizer, config, headers and the run's own files out: a disk
+    within that margin passed, and with save_steps: 0 the trained weights were lost at the very end."""
+    from grpo_recipe.model.source import weight_count
+    from grpo_recipe.run import preflight as pf
+
+    params = weight_count(tiny_model_dir)
+    others = sum(f.stat().st_size for f in tiny_model_dir.iterdir() if f.suffix != ".safetensors")
+    cfg = Config(model_name_or_path=str(tiny_model_dir), output_dir=str(tmp_path / "out"), save_steps=0, max_steps=10)
+    need = pf.final_model_bytes(tiny_model_dir, params, cfg)
+    assert need >= 4 * params + others + (64 << 20)
+    monkeypatch.setattr(pf, "free_space", lambda path: (4 * params + others + (1 << 20), 10**6))  # weights fit
+    with pytest.raises(ConfigError, match="too little for the final model and the run's own files"):
+        pf.check_disk_space(cfg, tiny_model_dir, {})
+    monkeypatch.setattr(pf, "free_space", lambda path: (need, 10**6))
+    pf.check_disk_space(cfg, tiny_model_dir, {})

@@ -106,6 +106,17 @@ def check_output_dir(output_dir: str) -> None:
         raise ConfigError(f"output_dir: cannot write in {probe}: {e.strerror}") from None
 
 
+def final_model_bytes(folder: Path, params: int, cfg: Config) -> int:
+    """What the end of a run writes, at most: the weights as trained (fp32; with LoRA the adapter, small, and a
+    merged copy when asked), the model folder's other files (tokenizer, config, chat template), safetensors
+    headers and the index, the run's metrics and completion logs, and a margin for the filesystem's blocks."""
+    weights = 4 * params * (cfg.save_merged if cfg.use_peft else 1)
+    others = sum(f.stat().st_size for f in folder.iterdir()
+                 if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5")))
+    logs = cfg.max_steps * (4 << 10) + (cfg.max_steps * (64 << 10) if cfg.log_completions_steps else 0)
+    return weights + 2 * others + (8 << 20) + logs + (64 << 20)
+
+
 def check_disk_space(cfg: Config, folder: Path | None, ds: dict) -> None:
     """A disk that cannot hold one checkpoint, or the final model, would fail at the first save or at the very
     end, hours in: refuse it now, and warn when it cannot hold the save_total_limit + 1 that a save needs. Sizes
@@ -114,10 +125,9 @@ def check_disk_space(cfg: Config, folder: Path | None, ds: dict) -> None:
     if not params:
         return
     free, _ = free_space(Path(cfg.output_dir).expanduser())
-    # the final model: the weights as trained (fp32 here), or with LoRA the adapter (small) and a merged copy
-    final = 4 * params * (cfg.save_merged if cfg.use_peft else 1)
+    final = final_model_bytes(folder, params, cfg)
     need(free >= final, f"output_dir: {cfg.output_dir} has {mib(free)} free, too little for the final model "
-                        f"(about {mib(final)}): free space or choose another output_dir")
+                        f"and the run's own files (about {mib(final)}): free space or choose another output_dir")
     if cfg.save_steps == 0:
         return
     adam = "adam" in str(ds.get("optimizer", {}).get("type", "")).lower()
