@@ -7,12 +7,17 @@ group starts, after setup, after each optimizer step).
 User code (a reward function) runs `bounded`: inside, a stop signal or the time bound raises `Interrupted` in
 the main thread, which cuts short sleeps, system calls and Python loops, and the run goes on to its safe point
 with a message naming the function. Code stuck in C that never returns to Python is ended by a watchdog thread
-after GRACE_S more: the process writes the line and exits (1; 75 when a stop signal was the reason).
+after GRACE_S more: the process writes the line and exits (1; 75 when a stop signal was the reason). C code that
+also holds the GIL (a verifier evaluating `sum(range(10**12))`) stops every Python thread, that watchdog included:
+faulthandler's own watchdog, a C thread that needs no GIL, then ends the process C_GUARD_S later still, with the
+stuck code's traceback on stderr and exit code 1 (arming and cancelling it cost microseconds a call:
+tests/test_signals.py).
 Standard library only: installed before torch loads.
 """
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -21,6 +26,7 @@ import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 GRACE_S = 30.0  # how long user code that ignores the interruption may still run before the process ends
+C_GUARD_S = 10.0  # then, if even the Python watchdog could not run (the GIL held), faulthandler's ends it
 _received: list[tuple[str, float]] = []
 _inside: dict = {}  # the bounded section running now: what, since, timeout_s
 
@@ -70,9 +76,12 @@ def bounded(what: str, timeout_s: float | None):
     _inside.update(what=what, since=time.monotonic(), timeout_s=timeout_s or 0.0)
     if timeout_s:
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        faulthandler.dump_traceback_later(timeout_s + GRACE_S + C_GUARD_S, exit=True, file=sys.__stderr__)
     try:
         yield
     finally:
+        if timeout_s:
+            faulthandler.cancel_dump_traceback_later()
         signal.setitimer(signal.ITIMER_REAL, 0)
         _inside.clear()
         signal.signal(signal.SIGALRM, previous)
