@@ -96,6 +96,8 @@ class LoopState:
     old_logp_forwards: int = 0  # cumulative, logged with every step
     prompts_truncated: int = 0  # cumulative, logged with every step
     nonfinite_steps: int = 0  # steps skipped for a non-finite loss or gradient norm, logged with every step
+    weight_syncs: int = 0  # the generator's syncs so far (at a checkpoint), logged with every step
+    weights_synced: bool = False  # whether the generator already held this step's weights (at a checkpoint)
 
     def next_rollout(self) -> None:
         self.rollout, self.position, self.buffer, self.stats, self.samples = self.rollout + 1, None, None, None, None
@@ -153,7 +155,11 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     if resume_from is not None:
         state = LoopState.from_state_dict(checkpointer.load(resume_from, engine))
         generator.load_state_dict(state.generator)
-        generator.sync(engine)
+        generator.sync(engine)  # the checkpoint's weights, for a generator that started from the model folder
+        # counted as the uninterrupted run counts: there, a rollout whose passes are done syncs next (this sync
+        # stands for it) unless an evaluation synced already; in the middle of a rollout nothing syncs
+        done = state.position == (cfg.max_passes - 1, cfg.optimizer_steps_per_pass - 1)
+        generator.syncs = state.weight_syncs + int(done and not state.weights_synced)
         if rank == 0:
             print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
     checkpointer.install_signal_handlers()
@@ -284,6 +290,8 @@ def report(run: Run, state: LoopState, logger: MetricsLogger, record: dict) -> N
 
 def save(run: Run, state: LoopState) -> None:
     state.generator = run.generator.state_dict()  # a rollout in flight is part of where the loop is
+    state.weight_syncs = run.generator.syncs
+    state.weights_synced = getattr(run.generator, "synced_step", None) == run.engine.global_steps
     run.checkpointer.save(run.engine, state.step, state.state_dict())
 
 

@@ -145,12 +145,23 @@ def test_resume_with_changed_num_generations_is_refused(tmp_path, uninterrupted)
     assert "max_steps: 12 -> 20 (it sets the length of the learning-rate schedule" in proc.stderr
 
 
+def test_resuming_beyond_max_steps_is_refused_not_saved_as_final(tmp_path):
+    """A checkpoint at step 8 with max_steps 6: its final model would be a later one than asked for."""
+    folder = tmp_path / "step-00000008"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"world_size": 1, "step": 8, "config": Config(max_steps=10).to_dict()}))
+    with pytest.raises(CheckpointError, match=r"it is at step 8, beyond max_steps 6; raise max_steps, or resume from "
+                                              r"a checkpoint at or before step 6"):
+        Checkpointer(Config(max_steps=6), 0, 1).check_config(folder)
+    Checkpointer(Config(max_steps=8), 0, 1).check_config(folder)  # at max_steps: writes the final model only
+
+
 def test_max_steps_may_change_unless_the_schedule_depends_on_it(tmp_path):
     folder = tmp_path / "step-00000004"
     folder.mkdir()
 
     def check(saved: Config, now: Config):
-        (folder / "meta.json").write_text(json.dumps({"world_size": 1, "config": saved.to_dict()}))
+        (folder / "meta.json").write_text(json.dumps({"world_size": 1, "step": 4, "config": saved.to_dict()}))
         Checkpointer(now, 0, 1).check_config(folder)
 
     warm = {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 3}
