@@ -210,5 +210,16 @@ def main() -> int:
     return run_ranks(sys.argv[1:], nproc, node, nnodes, env, own_session=True)
 
 
+def finish(code: int) -> None:
+    """Exit with the ranks' code, whatever signal comes now: interpreter teardown would put the default actions
+    back (a second SIGTERM a moment after the first, as schedulers and impatient users send, then ended this
+    process with 143 after the ranks had checkpointed and exited 75). Nothing is left to do but exit."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

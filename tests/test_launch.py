@@ -74,6 +74,9 @@ def test_signal_to_the_launcher_checkpoints_exits_75_and_leaves_no_rank(tmp_path
             _, err2 = second.communicate(timeout=300)
             assert second.returncode == 2 and f"output_dir {out} is in use by another run" in err2, err2[-3000:]
         proc.send_signal(sig)
+        while sig == signal.SIGTERM and proc.poll() is None:  # and again, until it has ended (issue #60.6)
+            time.sleep(0.1)
+            proc.send_signal(sig)
         _, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-3000:]
     assert f"got {sig.name}: forwarding it to the ranks" in err and "checkpoint saved, exit 75" in err

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from node import REPO, env_int, log, rank_environment, run_ranks  # noqa: E402  (launch/node.py: the one owner of the ranks)
+from node import REPO, env_int, finish, log, rank_environment, run_ranks  # noqa: E402  (launch/node.py: the one owner of the ranks)
 
 sys.path.insert(0, str(REPO))
 
@@ -69,4 +69,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())
