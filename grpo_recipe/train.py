@@ -35,7 +35,7 @@ from grpo_recipe.config.load import HelpRequested, load_config
 from grpo_recipe.config.schema import Config, ConfigError
 from grpo_recipe.data.prompts import DataError, PromptStream, check_prompts, load_datasets, uses_chat_template
 from grpo_recipe.dist import liveness
-from grpo_recipe.dist.env import PREEMPTED_EXIT_CODE
+from grpo_recipe.dist.env import PREEMPTED_EXIT_CODE, LaunchError
 from grpo_recipe.dist.collectives import all_reduce_named, barrier, first_error
 from grpo_recipe.dist.group import init_distributed
 from grpo_recipe.dist.link import layout
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         say_error(f"config error: {e}")
         return 2
-    except (DataError, CheckpointError, VLLMUnavailable, RewardError, outdir.OutputDirError) as e:
+    except (DataError, CheckpointError, VLLMUnavailable, RewardError, outdir.OutputDirError, LaunchError) as e:
         say_error(f"error: {e}")
         return 2
     try:

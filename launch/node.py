@@ -67,7 +67,13 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
 
     sock = None
     if node == 0:  # the store outlives any rank, so a stopped rank 0 can still be named (grpo_recipe/dist/liveness.py)
-        sock = listening_socket(env["MASTER_ADDR"], int(env.get("MASTER_PORT") or 0))
+        try:
+            sock = listening_socket(env["MASTER_ADDR"], int(env.get("MASTER_PORT") or 0))
+        except OSError as e:
+            log(f"MASTER_ADDR:MASTER_PORT {env['MASTER_ADDR']}:{env.get('MASTER_PORT')} cannot be listened on "
+                f"({e.strerror}): another process holds it, or the address is not this host's; choose another "
+                f"MASTER_PORT (unset, a free one is picked)")
+            sys.exit(2)
         env["MASTER_PORT"] = str(sock.getsockname()[1])
     env.update(WORLD_SIZE=str(nnodes * nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
                TORCHELASTIC_USE_AGENT_STORE="True")  # the ranks join this store instead of hosting one

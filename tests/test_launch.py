@@ -261,3 +261,18 @@ def test_an_inherited_cpu_accelerator_on_a_gpu_node_is_refused_before_any_rank_s
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "DS_ACCELERATOR=cpu" in err[0] and "CUDA_VISIBLE_DEVICES=" in err[0]
+
+
+def test_a_taken_master_port_is_one_line_and_exit_2_before_any_rank_starts(tmp_path):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    proc = subprocess.run(local_sh_cmd("--output_dir", str(tmp_path / "out")), cwd=REPO, capture_output=True,
+                          text=True, env=rank_env(VENV_PY=sys.executable, MASTER_PORT=str(port)), timeout=120)
+    taken.close()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"local.sh: MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} cannot be listened on" in proc.stderr
+    assert not (tmp_path / "out").exists()

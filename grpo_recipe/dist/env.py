@@ -14,6 +14,32 @@ REPO = Path(__file__).resolve().parents[2]
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after a checkpoint; requeue to continue
 
 
+class LaunchError(RuntimeError):
+    """The environment a rank was started in cannot make a run (a launcher variable missing, a port taken, the
+    other ranks never came); the message says what and what to do, in one line (exit code 2)."""
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_env_problem(env) -> str | None:
+    """What is wrong with the launcher variables of `env`, or None. No RANK: a plain process (a world of one).
+    RANK alone (a cluster shell's or a notebook's leftover): not a launch. A world of one needs no address."""
+    if "RANK" not in env:
+        return None
+    missing = [k for k in LAUNCH_VARS[1:] if not env.get(k)]
+    bad = [k for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK") if env.get(k) and not env[k].isdigit()]
+    if bad:
+        return f"{bad[0]}={env[bad[0]]!r} is not a whole number"
+    if "WORLD_SIZE" in missing or (int(env["WORLD_SIZE"]) > 1 and missing):
+        return (f"RANK={env['RANK']} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+                f"this process was not started by a launcher; unset RANK to run as one process, or start it with "
+                f"launch/local.sh, torchrun or deepspeed")
+    if int(env["RANK"]) >= int(env["WORLD_SIZE"]):
+        return f"RANK={env['RANK']} is not below WORLD_SIZE={env['WORLD_SIZE']}"
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -57,18 +57,19 @@ def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tup
             os.environ.setdefault(key, value)
     store = rendezvous.store_for_rank(rank, world, timeout_s)
     lay = None
-    if generation_ranks:
-        from grpo_recipe.dist import link
+    with rendezvous.waiting_said(rank, world, timeout_s):
+        if generation_ranks:
+            from grpo_recipe.dist import link
 
-        lay = link.layout(generation_ranks)
-        store = store if store is not None else link.launch_store(timeout_s)
-        os.environ.update(link.role_env(lay))  # DeepSpeed reads them: the training ranks' world
-        torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("grpo/train/", store),
-                                             rank=rank, world_size=lay.trainers, timeout=timeout)
-    elif store is None:
-        torch.distributed.init_process_group(backend, timeout=timeout)
-    else:
-        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            lay = link.layout(generation_ranks)
+            store = store if store is not None else link.launch_store(timeout_s)
+            os.environ.update(link.role_env(lay))  # DeepSpeed reads them: the training ranks' world
+            torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("grpo/train/", store),
+                                                 rank=rank, world_size=lay.trainers, timeout=timeout)
+        elif store is None:
+            torch.distributed.init_process_group(backend, timeout=timeout)
+        else:
+            torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)  # wraps the group
     if not torch.cuda.is_available():
         # DeepSpeed's CPU accelerator counts its devices (this node's ranks) at every gradient reduction, by

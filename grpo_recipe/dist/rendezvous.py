@@ -8,6 +8,7 @@ from the network), so a single-node run names the loopback interface.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import ipaddress
@@ -101,7 +102,50 @@ def store_for_rank(rank: int, world_size: int, timeout_s: float):
         return None
     if world_size == 1:
         return dist.HashStore()
+    from grpo_recipe.dist.env import LaunchError
+
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if rank == 0:
-        return host_store(listening_socket(addr, port), world_size, timeout_s)
+        try:
+            sock = listening_socket(addr, port)
+        except OSError as e:
+            raise LaunchError(f"MASTER_ADDR:MASTER_PORT {addr}:{port} cannot be listened on ({e.strerror}): another "
+                              f"process holds it, or the address is not this host's; choose another MASTER_PORT "
+                              f"(launch/local.sh picks a free one when it is unset)") from None
+        return host_store(sock, world_size, timeout_s)
     return dist.TCPStore(addr, port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+WAIT_NOTE_S = 20.0  # after this long in the rendezvous, each rank says what it waits for
+
+
+@contextlib.contextmanager
+def waiting_said(rank: int, world: int, timeout_s: float):
+    """The rendezvous of `world` ranks: after WAIT_NOTE_S a line saying what this rank waits for (a rank started by
+    hand, or whose peers never started, would otherwise wait in silence for `timeout_s`), and the timeout as one
+    line (LaunchError, exit code 2) instead of a traceback."""
+    import sys
+    import threading
+
+    from grpo_recipe.dist.env import LaunchError
+
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    done = threading.Event()
+
+    def note():
+        if not done.wait(WAIT_NOTE_S):
+            sys.stderr.write(f"rank {rank}: still waiting at {where} for the other of WORLD_SIZE={world} ranks "
+                             f"(gives up after collective_timeout_s = {timeout_s:g} s); were they started?\n")
+            sys.stderr.flush()
+
+    if world > 1:
+        threading.Thread(target=note, daemon=True).start()
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:  # torch's DistStoreError / DistNetworkError, gloo's connect failures
+        raise LaunchError(f"rank {rank}: the rendezvous of WORLD_SIZE={world} ranks at {where} failed "
+                          f"({' '.join(str(e).split())[:160]}): start every rank, with the same MASTER_ADDR, "
+                          f"MASTER_PORT and WORLD_SIZE, or unset RANK to run as one process") from None
+    finally:
+        done.set()
+

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from grpo_recipe.config.schema import Config, ConfigError, looks_like_file, need, resolve_path
+from grpo_recipe.dist.env import launch_env_problem
 from grpo_recipe.generation.vllm import VLLMUnavailable, check_adapter_mode, check_available
 from grpo_recipe.model.source import model_folder, weight_count
 from grpo_recipe.rewards.funcs import RewardError, load_reward_funcs
@@ -32,6 +33,8 @@ def preflight(cfg: Config) -> None:
         stage = ds.get("zero_optimization", {}).get("stage", 0)
         need(stage == 3, f"hf_generation_gather: per_layer needs a ZeRO-3 deepspeed_config; {cfg.deepspeed_config} "
                          f"is stage {stage}, where every rank holds all weights (use full)")
+    problem = launch_env_problem(os.environ)
+    need(problem is None, f"launch environment: {problem}")
     check_accelerator(torch.cuda.is_available(), os.environ.get("DS_ACCELERATOR"))
     if str(cfg.bf16).lower() == "true" and torch.cuda.is_available():
         # this rank's GPU, asked without a context on it (is_bf16_supported allocates on GPU 0, on every rank)
