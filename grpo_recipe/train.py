@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.generation_ranks and layout(cfg.generation_ranks).is_generator:
         try:
             return serve(cfg)  # until the training ranks say stop
-        except (ConfigError, DataError) as e:
+        except (ConfigError, DataError, LaunchError) as e:
             say_error(f"error (generation rank {os.environ.get('RANK')}): {e}")
             return 2
     try:

@@ -276,3 +276,21 @@ def test_a_taken_master_port_is_one_line_and_exit_2_before_any_rank_starts(tmp_p
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"local.sh: MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} cannot be listened on" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_signal_during_start_up_with_a_generation_rank_ends_every_rank_in_75(tmp_path):
+    """Issue #60.5: the trainers exited 75 at once, and the generation rank waited in the link's rendezvous for
+    collective_timeout_s, then a traceback and exit 1: no requeue. Now it hears the signal while it waits."""
+    out = tmp_path / "out"
+    started = time.monotonic()
+    proc = subprocess.Popen(local_sh_cmd("--max_steps", "50", "--generation_ranks", "1", "--output_dir", str(out)),
+                            cwd=REPO, env=rank_env(VENV_PY=sys.executable, NPROC=3), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(4.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 75 and "Traceback" not in err, err[-3000:]
+    assert "generation rank 2: stopped by SIGTERM during start-up" in err, err[-3000:]
+    assert time.monotonic() - started < 120  # not collective_timeout_s (600 s)
+    assert not descendants(proc.pid)

@@ -63,6 +63,7 @@ def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tup
 
             lay = link.layout(generation_ranks)
             store = store if store is not None else link.launch_store(timeout_s)
+            link.trainer_arrived(store, rank)  # the generation ranks wait for this, hearing stop signals meanwhile
             os.environ.update(link.role_env(lay))  # DeepSpeed reads them: the training ranks' world
             torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("grpo/train/", store),
                                                  rank=rank, world_size=lay.trainers, timeout=timeout)

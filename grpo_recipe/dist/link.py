@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,31 @@ def launch_store(timeout_s: float):
 
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+TRAINER_KEY = "grpo/link/trainer/{}"  # set by each trainer on its way to the link
+
+
+def trainer_arrived(store, rank: int) -> None:
+    store.set(TRAINER_KEY.format(rank), "1")
+
+
+def wait_for_trainers(store, lay: Layout, timeout_s: float, stopped) -> bool:
+    """A generation rank's wait for every trainer to reach the link, a second at a time so that `stopped()` (a
+    stop signal: trainers that got one during start-up exit 75 without coming) is heard; True once they all
+    came, False when stopped first. Trainers that never come: a LaunchError after `timeout_s`."""
+    from grpo_recipe.dist.env import LaunchError
+
+    keys, deadline = [TRAINER_KEY.format(t) for t in range(lay.trainers)], time.monotonic() + timeout_s
+    while not stopped():
+        try:
+            store.wait(keys, datetime.timedelta(seconds=1))
+            return True
+        except RuntimeError:  # not yet (torch's DistStoreError on a wait's timeout)
+            if time.monotonic() > deadline:
+                raise LaunchError(f"generation rank {lay.rank}: the {lay.trainers} training ranks did not reach "
+                                  f"the link within collective_timeout_s = {timeout_s:g} s") from None
+    return False
 
 
 class Link:

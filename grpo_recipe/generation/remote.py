@@ -176,7 +176,13 @@ def serve(cfg) -> int:
         if torch.cuda.is_available():
             model.cuda()
         gen = HFGenerator(cfg, None, tok, model=model, with_logps=True)
-    lk = link.connect(lay, cfg.collective_timeout_s)
+    store = link.launch_store(cfg.collective_timeout_s)
+    if not link.wait_for_trainers(store, lay, cfg.collective_timeout_s, signals.pending):
+        # the trainers stopped during their own start-up (exit 75, nothing written): so does this rank
+        print(f"generation rank {lay.rank}: stopped by {signals.pending()} during start-up; exit "
+              f"{PREEMPTED_EXIT_CODE}: rerun to start", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    lk = link.connect(lay, cfg.collective_timeout_s, store)
     liveness.start(lay.rank, lay.world, cfg.collective_timeout_s)
     weights_step, waited_since, waited = None, time.perf_counter(), 0.0
     while True:
