@@ -32,3 +32,16 @@ def test_the_tracked_tree_is_small_and_carries_no_third_party_packages():
     big = {f: s for f, s in sizes.items() if s > 2 * 2**20}
     assert not big, f"tracked files over 2 MiB: {big}"
     assert not [f for f in sizes if f.endswith((".whl", ".tar.gz", ".zip"))]
+
+
+def test_every_test_a_page_names_as_holding_a_promise_exists():
+    """docs/ and README name the tests that hold each promise (`test_x.py::test_name`): each must be a test
+    function of that file, so a renamed or deleted test cannot leave a promise pointing at nothing."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    missing = []
+    for page in pages:
+        for file, name in re.findall(r"`?(test_\w+\.py)::(test_\w+)", page.read_text()):
+            path = REPO / "tests" / file
+            if not path.is_file() or not re.search(rf"^def {name}\(", path.read_text(), re.MULTILINE):
+                missing.append(f"{page.name}: {file}::{name}")
+    assert not missing, "named tests that do not exist:\n" + "\n".join(missing)
