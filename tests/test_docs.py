@@ -45,3 +45,56 @@ def test_every_test_a_page_names_as_holding_a_promise_exists():
             if not path.is_file() or not re.search(rf"^def {name}\(", path.read_text(), re.MULTILINE):
                 missing.append(f"{page.name}: {file}::{name}")
     assert not missing, "named tests that do not exist:\n" + "\n".join(missing)
+
+
+# How prose states a field's default: `field` defaults to V; (`field: V`, the default); `field: N`, V by default;
+# `field: x` (an option; the default is V); `field` is `V` (TRL: ...), the TRL-differences table's form.
+DEFAULT_PATTERNS = (r"`(\w+)` defaults? to `?([\w.+\-]+)`?",
+                    r"\(`(\w+): ([\w.+\-]+)`, the default\)",
+                    r"`(\w+): N`, ([\w.+\-]+) by default",
+                    r"`(\w+): \w+` \(an option; the default is (?:mu = )?([\w.+\-]+)\)",
+                    r"`(\w+)` is `([\w.+\-]+)` \(TRL: ")
+STATING_DEFAULTS = ("README.md", "docs/*.md", "bench/README.md", "grpo_recipe/configs/*.yaml")
+
+
+def stated_defaults(text: str) -> list[tuple[str, str]]:
+    return [m for pattern in DEFAULT_PATTERNS for m in re.findall(pattern, " ".join(text.split()))]
+
+
+def wrong_defaults(root) -> list[str]:
+    """Every default the prose states for a config field that is not the field's default in config/schema.py."""
+    from dataclasses import fields
+
+    from grpo_recipe.config.schema import Config
+
+    defaults = {f.name: str(f.default).lower() for f in fields(Config) if isinstance(f.default, (int, float, str, bool))}
+    wrong = []
+    for pattern in STATING_DEFAULTS:
+        for page in sorted(root.glob(pattern)):
+            if page.name == "findings-reuse-default.md":  # a history: what was the default when
+                continue
+            for field, value in stated_defaults(page.read_text()):
+                if field in defaults and value.lower() != defaults[field]:
+                    wrong.append(f"{page.relative_to(root)}: {field} stated as {value}, config/schema.py has "
+                                 f"{defaults[field]}")
+    return wrong
+
+
+def test_every_default_the_prose_states_is_the_schemas():
+    assert stated_defaults("Until then, `num_iterations` defaults to 1, as in TRL. (`max_staleness: 0`, the "
+                           "default) and `num_iterations: auto` (an option; the default is mu = 1)") == [
+        ("num_iterations", "1"), ("max_staleness", "0"), ("num_iterations", "1")]
+    assert wrong_defaults(REPO) == []
+
+
+def test_the_defaults_check_fails_on_a_wrong_default_in_a_scratch_copy(tmp_path):
+    """A test of the test: the README's default of num_iterations changed to auto in a copy is caught."""
+    import shutil
+
+    for name in ("README.md", "docs", "bench/README.md", "grpo_recipe/configs"):
+        src, dst = REPO / name, tmp_path / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    readme = tmp_path / "README.md"
+    readme.write_text(readme.read_text().replace("`num_iterations` defaults to 1", "`num_iterations` defaults to auto"))
+    assert wrong_defaults(tmp_path) == ["README.md: num_iterations stated as auto, config/schema.py has 1"]
