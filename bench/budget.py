@@ -1,10 +1,10 @@
-"""A wall-clock training budget with model snapshots, the same for the recipe and TRL (bench/real_vs_trl.py).
+"""A training budget in rollouts with model snapshots, the same for the recipe and TRL (bench/real_vs_trl.py).
 
-The clock starts when training starts (after model loading and engine set-up) and runs until each snapshot
-point (seconds of training); a snapshot's own save time is taken off the clock. All ranks take the same
-decision (the slowest rank's clock: one all-reduce after each optimizer step). BUDGET_SPEC (JSON, in the
-environment): {"points": [s1, s2, ...], "dir": FOLDER}; snapshots go to FOLDER/t{s}, and FOLDER/snapshots.json
-lists them with the step and training seconds at which they were taken.
+A snapshot at point k is the policy after k rollouts have been trained on (all their passes), taken just before
+rollout k + 1 is generated (the recipe) or after optimizer step k (TRL at mu = 1: one step per rollout); after the
+last point the run ends. Every rank calls `after`: the save is collective. BUDGET_SPEC (JSON, in the
+environment): {"rollouts": [k1, k2, ...], "dir": FOLDER}; snapshots go to FOLDER/r{k}, and FOLDER/snapshots.json
+lists them with the optimizer step at which each was taken and the seconds its save took (not training time).
 """
 from __future__ import annotations
 
@@ -14,40 +14,25 @@ import time
 from pathlib import Path
 
 
-class BudgetClock:
+class RolloutBudget:
     def __init__(self, spec: dict):
-        self.points, self.dir = sorted(spec["points"]), Path(spec["dir"])
-        self.t0, self.excluded, self.taken = None, 0.0, []
+        self.points, self.dir = sorted(spec["rollouts"]), Path(spec["dir"])
+        self.taken: list[dict] = []
 
     @classmethod
-    def from_env(cls) -> "BudgetClock | None":
+    def from_env(cls) -> "RolloutBudget | None":
         spec = os.environ.get("BUDGET_SPEC")
         return cls(json.loads(spec)) if spec else None
 
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def elapsed(self) -> float:
-        """Training seconds so far, the same on every rank (the largest)."""
-        import torch
-        import torch.distributed as dist
-
-        local = torch.tensor([time.perf_counter() - self.t0 - self.excluded], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        return float(local.item())
-
-    def after_step(self, step: int, save) -> bool:
-        """Take the snapshots that are due (`save(folder)`: collective); True once the last one is taken."""
-        if self.t0 is None:
-            self.start()
-        elapsed = self.elapsed()
-        while self.points and self.points[0] <= elapsed:
+    def after(self, rollouts: int, step: int, save) -> bool:
+        """`rollouts` have been trained on: take the snapshot due there (`save(folder)`, collective); True once
+        the last one is taken."""
+        if self.points and self.points[0] <= rollouts:
             point = self.points.pop(0)
             t = time.perf_counter()
-            save(self.dir / f"t{point:g}")
-            self.excluded += time.perf_counter() - t
-            self.taken.append({"point_s": point, "step": step, "train_s": elapsed})
+            save(self.dir / f"r{point}")
+            self.taken.append({"rollouts": point, "step": step, "save_s": time.perf_counter() - t,
+                               "wall": time.time()})
             if int(os.environ.get("RANK", "0")) == 0:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 (self.dir / "snapshots.json").write_text(json.dumps(self.taken, indent=1))

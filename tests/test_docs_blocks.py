@@ -1,0 +1,38 @@
+"""bench/docs_blocks.py: every figure block in README.md, docs/ and bench/README.md is what its results file gives,
+and the check fails on a wrong figure in a scratch copy (a test of the test)."""
+import shutil
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+from docs_blocks import BLOCK, BLOCKS, differing, pages  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+
+
+def test_every_block_is_its_results_files():
+    assert differing(REPO, RESULTS) == [], "rerun python bench/docs_blocks.py"
+    used = {m.group(2) for page in pages(REPO) for m in BLOCK.finditer(page.read_text())}
+    assert used == set(BLOCKS), f"blocks without a page: {set(BLOCKS) - used}"
+
+
+def scratch(tmp_path):
+    for name in ("README.md", "docs", "bench/README.md"):
+        src, dst = REPO / name, tmp_path / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    shutil.copytree(RESULTS, tmp_path / "results", ignore=shutil.ignore_patterns("tmp", "*.png"))
+    return tmp_path
+
+
+def test_a_wrong_figure_in_a_page_or_a_changed_results_file_is_caught(tmp_path):
+    root = scratch(tmp_path)
+    page = root / "docs" / "scaling.md"
+    text = page.read_text()
+    page.write_text(text.replace("(0.18x)", "(0.13x)", 1))
+    assert differing(root, root / "results") == ["docs/scaling.md: lora-memory-table"]
+    page.write_text(text)
+    lora = root / "results" / "lora_vllm.json"
+    lora.write_text(lora.read_text().replace('"peak_rss_mib_per_rank": 6983.115234375', '"peak_rss_mib_per_rank": 9600'))
+    assert differing(root, root / "results") == ["docs/scaling.md: lora-vllm-peaks"]
