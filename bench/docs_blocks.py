@@ -87,7 +87,35 @@ def regimes_bars(results: Path) -> str:
             f"{slower} (`bench/results/reuse_regimes.json`)")
 
 
-BLOCKS = {"regimes-bars": regimes_bars, "lora-memory-table": lora_memory_table, "lora-vllm-peaks": lora_vllm_peaks, "status": status}
+# Defaults whose difference from TRL's is one of form only: a path of each run's own, "no mapping" written {} or
+# null, no tracker written [none] or [], evaluation off written 0 or null.
+SAME_IN_EFFECT = {"output_dir", "chat_template_kwargs", "report_to", "eval_steps"}
+
+
+def trl_default_differences(results: Path) -> str:
+    """docs/algorithm.md: every default of the recipe's that differs from TRL 1.16's GRPOConfig (same field name),
+    from both classes (TRL's on a CPU-only machine: its bf16 is False there)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    sys.path.insert(0, str(REPO))
+    from grpo_recipe.config.schema import Config
+
+    trl = GRPOConfig(output_dir="out", use_cpu=True, bf16=False)
+    rows = []
+    for f in dataclasses.fields(Config):
+        if not hasattr(trl, f.name) or f.name in SAME_IN_EFFECT or f.default is dataclasses.MISSING:
+            continue
+        theirs = getattr(trl, f.name)
+        theirs = getattr(theirs, "value", theirs)  # transformers' enums
+        if f.default != theirs:
+            rows.append(f"`{f.name}` is `{str(f.default).lower() if isinstance(f.default, bool) else f.default}` "
+                        f"(TRL: `{str(theirs).lower() if isinstance(theirs, bool) else theirs}`)")
+    return "Defaults that differ from TRL's: " + ", ".join(rows) + "."
+
+
+BLOCKS = {"trl-default-differences": trl_default_differences, "regimes-bars": regimes_bars, "lora-memory-table": lora_memory_table, "lora-vllm-peaks": lora_vllm_peaks, "status": status}
 
 
 def pages(root: Path) -> list[Path]:

@@ -35,25 +35,22 @@ def test_bare_flags_set_bools_true():
     assert overrides == {"system_prompt": "End with: Answer: N", "dataset_config": None, "seed": 7}
 
 
-def test_a_trl_style_config_fails_with_what_to_use(tmp_path):
-    """Names TRL has with another meaning are not fields here: a TRL config says what to write instead."""
+def test_a_trl_style_config_loads_or_says_what_to_use(tmp_path):
+    """TRL's names load under their TRL name (mapped, with a note) or say what to write instead, in one line."""
     trl = tmp_path / "trl.yaml"
     trl.write_text("per_device_train_batch_size: 8\ngradient_accumulation_steps: 2\nsteps_per_generation: 4\n"
                    "num_generations: 8\nloss_type: dapo\n")
-    with pytest.raises(ConfigError, match=r"^steps_per_generation: TRL counts micro-batches per generation, this "
-                                          r"recipe counts optimizer steps .*: use optimizer_steps_per_pass = "
-                                          r"steps_per_generation / gradient_accumulation_steps = 4 / 2 = 2$"):
-        load_config(["--config", str(trl)])
-    trl.write_text(trl.read_text().replace("steps_per_generation: 4", "optimizer_steps_per_pass: 2"))
     cfg = load_config(["--config", str(trl)])
-    assert cfg.completions_per_rollout == 8 * 2 * 2  # what TRL's generation batch per rank was
+    assert cfg.optimizer_steps_per_pass == 2 and cfg.completions_per_rollout == 8 * 2 * 2  # TRL's generation batch
+    with pytest.raises(ConfigError, match=r"^steps_per_generation: 3 micro-batches is not a whole number of "
+                                          r"optimizer steps of gradient_accumulation_steps = 2"):
+        load_config(["--config", str(trl), "--steps_per_generation", "3"])
     with pytest.raises(ConfigError, match=r"^loss_type: bnpo: TRL's bnpo divides each micro-batch by its own token "
                                           r"count.*use step_token_mean"):
         load_config(["--config", str(trl), "--loss_type", "bnpo"])
-    with pytest.raises(ConfigError, match=r"^vllm_importance_sampling_cap: TRL's field has no equal here; use "
-                                          r"vllm_importance_sampling_clip_max"):
-        load_config(["--config", str(trl), "--vllm_importance_sampling_cap", "3.0"])
-    with pytest.raises(ConfigError, match=r"^top_entropy_quantile: TRL's option is not available here: the quantile "
+    cfg = load_config(["--config", str(trl), "--vllm_importance_sampling_cap", "2.5"])
+    assert cfg.vllm_importance_sampling_clip_max == 2.5
+    with pytest.raises(ConfigError, match=r"^top_entropy_quantile: 0.2 is not available here: the quantile "
                                           r"would be taken over each micro-batch"):
         load_config(["--config", str(trl), "--top_entropy_quantile", "0.2"])
     with pytest.raises(ConfigError, match=r"^vllm_tis_cap: replaced by TRL's fields: vllm_importance_sampling_mode: "

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from grpo_recipe.config import trl_names
 from grpo_recipe.config.schema import Config, field_types
 
 
@@ -64,6 +65,14 @@ def reference_markdown() -> str:
     missing = [n for n in by_name if n not in listed]
     if missing:  # a field outside the section layout would vanish from the page
         raise RuntimeError(f"fields outside a `# --- section ---` comment: {missing}")
+    lines += ["## TRL's field names", "",
+              "A TRL 1.16 `GRPOConfig` loads as is (`grpo_recipe/config/trl_names.py`). These fields of TRL's have the "
+              "same name and meaning here: " + ", ".join(f"`{n}`" for n in trl_names.SAME) + ". The others:", "",
+              "| TRL field | here |", "|---|---|"]
+    for name, rule in {**trl_names.GRPO_FIELDS, **trl_names.TRAINING_FIELDS}.items():
+        lines.append(f"| `{name}` | {rule.describe.replace('|', chr(92) + '|')} |")
+    lines += ["", "Other fields of transformers' `TrainingArguments` are ignored at their defaults (a note lists them) "
+              "and refused otherwise.", ""]
     return "\n".join(lines)
 
 

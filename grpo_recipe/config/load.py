@@ -15,6 +15,15 @@ from typing import Any
 import yaml
 
 from grpo_recipe.config.schema import Config, ConfigError, field_types, resolve_path, validate
+from grpo_recipe.config.trl_names import TRL_FLAGS, translate
+
+
+def training_defaults() -> dict:
+    """transformers' TrainingArguments defaults (a TRL config carries many of its fields)."""
+    from transformers import TrainingArguments
+
+    return {f.name: f.default for f in dataclasses.fields(TrainingArguments)
+            if f.default is not dataclasses.MISSING}
 
 
 def _coerce(name: str, value: Any, typ: Any) -> Any:
@@ -24,6 +33,8 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
     if value is None:
         if args and type(None) in args:
             return None
+        if typing.get_origin(typ) is dict or typ is dict:  # null: no mapping given (TRL's configs write it so)
+            return {}
         raise ConfigError(f"{name}: must not be null")
     origin = typing.get_origin(typ)
     if origin is list or typ is list:
@@ -58,47 +69,14 @@ class HelpRequested(Exception):
     """`--help` / `-h`: print `grpo_recipe.config.help.help_text()` and exit 0."""
 
 
-# Names a TRL config has that mean something else here or have no equal: what to write instead.
-TRL_NAMES = {
-    "generation_batch_size": "a rank's rollout holds per_device_train_batch_size x gradient_accumulation_steps x "
-                             "optimizer_steps_per_pass completions",
-    "reward_weights": "give each reward_funcs entry its weight: {func: NAME, weight: W}",
-    "use_vllm": "generation_backend: vllm", "vllm_mode": "generation_backend: vllm (always colocated here)",
-    "dataset_train_split": "dataset_split", "vllm_max_model_length": "vllm_max_model_len",
-    "num_train_epochs": "max_steps (optimizer steps)",
-    "generation_kwargs": "the sampling fields themselves (stop, ...)",
-    "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max (TRL's own new name)",
-}
-# TRL options this recipe does not have, and why.
-NOT_HERE = {
-    "top_entropy_quantile": "the quantile would be taken over each micro-batch, so the update would depend on the "
-                            "micro-batch split; over the whole optimizer step it needs every entropy before the "
-                            "first backward",
-    **dict.fromkeys(("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
-                     "entropy_target"), "the entropy coefficient is fixed (entropy_coef); an adaptive one is not "
-                                        "implemented"),
-    **dict.fromkeys(("vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg"),
-                    "loss_type vespo is not implemented (grpo, step_token_mean, dr_grpo, dapo, cispo, sapo are)"),
-}
-
-
 def _is_text(typ: Any) -> bool:
     """A field that only holds text (or null)."""
     return {a for a in typing.get_args(typ) or [typ] if a is not type(None)} == {str}
 
 
 def unknown_key_message(key: str, values: dict) -> str:
-    """Why `key` is not a field: TRL's meaning if it is a TRL name, else the closest field's name."""
-    if key == "steps_per_generation":  # same name as TRL's would mean something else: renamed
-        spg, ga = values.get(key), values.get("gradient_accumulation_steps", 1)
-        exact = isinstance(spg, int) and isinstance(ga, int) and ga > 0 and spg % ga == 0
-        return (f"{key}: TRL counts micro-batches per generation, this recipe counts optimizer steps per pass over "
-                f"a rollout: use optimizer_steps_per_pass = steps_per_generation / gradient_accumulation_steps"
-                + (f" = {spg} / {ga} = {spg // ga}" if exact else ""))
-    if key in TRL_NAMES:
-        return f"{key}: TRL's field has no equal here; use {TRL_NAMES[key]}"
-    if key in NOT_HERE:
-        return f"{key}: TRL's option is not available here: {NOT_HERE[key]}"
+    """Why `key` is not a field: a former field's replacement, else the closest field's name (TRL's names are
+    translated before: trl_names.py)."""
     if key == "report_to_tensorboard":  # an earlier field of this recipe
         return f"{key}: replaced by report_to: write report_to: [tensorboard]"
     if key == "vllm_tis_cap":  # an earlier field of this recipe
@@ -125,7 +103,7 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
         if not eq:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 val, i = argv[i + 1], i + 1
-            elif bool in (typing.get_args(types.get(key)) or [types.get(key)]):
+            elif bool in (typing.get_args(types.get(key)) or [types.get(key)]) or key in TRL_FLAGS:
                 val = "true"
             elif key not in types and key not in ("config", "local_rank"):
                 raise ConfigError(unknown_key_message(key, {}))
@@ -215,6 +193,10 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     values.update(overrides)
     check_old_names(values)
     types = field_types()
+    values, notes = translate(values, set(types), training_defaults)
+    if notes and os.environ.get("RANK", "0") == "0":  # once, under a launcher
+        for note in notes:
+            print(f"note (TRL config): {note}", file=sys.stderr)
     unknown = sorted(set(values) - set(types))
     if unknown:
         raise ConfigError("; ".join(unknown_key_message(k, values) for k in unknown))
