@@ -15,10 +15,21 @@ One folder per concern. Each imports only the folders before it in this order (t
     tools       the command-line programs: evaluate, export, prepare_model, prepare_data, make_gsm8k_like.
     examples    reward functions for the shipped configs (user code: imports what a user's would).
     train       the recipe: setup and the training loop (`python -m grpo_recipe.train`, `grpo-train`).
+    api         the recipe from Python: `from grpo_recipe import GRPORun` (a user's own script).
 
 Files that ship with the package: configs/ (YAML) and assets/ (sample prompt sets).
 """
 
-# The import order above, bottom first; the last three may import every folder before them, not each other.
-LAYERS = ("config", "dist", "algo", "data", "rewards", "model", "generation", "run", "tools", "examples", "train")
-TOP = ("tools", "examples", "train")
+# The import order above, bottom first; tools, examples and train may import every folder before them, not each
+# other; api imports train.
+LAYERS = ("config", "dist", "algo", "data", "rewards", "model", "generation", "run", "tools", "examples", "train", "api")
+TOP = ("tools", "examples", "train")  # api, above them all, is the recipe itself called from Python
+
+
+def __getattr__(name: str):
+    """`from grpo_recipe import GRPORun`, imported on first use (the package itself stays light)."""
+    if name == "GRPORun":
+        from grpo_recipe.api import GRPORun
+
+        return GRPORun
+    raise AttributeError(f"module 'grpo_recipe' has no attribute {name!r}")

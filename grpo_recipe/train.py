@@ -117,7 +117,7 @@ class StoppedAtStartup(Exception):
     """A stop signal arrived before the run had anything to save."""
 
 
-def setup(cfg: Config) -> tuple[Run, LoopState]:
+def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
     """Build every component from the config, cheapest and most likely to fail first; the loop's starting state."""
     # the data first, every prompt checked: bad data costs one line before any process group or model
     path = model_path(cfg)
@@ -126,7 +126,7 @@ def setup(cfg: Config) -> tuple[Run, LoopState]:
     except (OSError, ValueError) as e:  # e.g. no EOS token, or files transformers cannot read
         raise ConfigError(f"model_name_or_path: no usable tokenizer in {path}: {' '.join(str(e).split())[:300]}") \
             from None
-    train_prompts, eval_prompts = load_datasets(cfg)  # a held-out eval slice leaves the train set either way
+    train_prompts, eval_prompts = load_datasets(cfg, *(data or ()))  # a held-out eval slice leaves the train set
     rewards = load_reward_funcs(cfg.reward_funcs)
     checked = [(train_prompts, cfg.dataset_name)]
     if eval_prompts is not None:  # held out of the train set or its own: checked the same way
@@ -385,9 +385,9 @@ def save_final(run: Run, final: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`grpo-train`: the config from the command line, then the run (`execute`). Returns the exit code."""
     try:
         cfg = load_config(argv)
-        preflight(cfg)  # files, the built-in model, vLLM, reward imports: before any process group starts
     except HelpRequested:
         if os.environ.get("RANK", "0") == "0":  # under a launcher, once
             print(help_text())
@@ -395,14 +395,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         say_error(f"config error: {e}")
         return 2
+    return execute(cfg)
+
+
+def execute(cfg: Config, data: tuple | None = None) -> int:
+    """A whole run of a checked config: preflight, setup, the loop, the final model. `data`: (train, eval)
+    `datasets.Dataset` objects given in Python (grpo_recipe.api) in place of the config's dataset names.
+    Returns the exit code (0 done, 1 failed, 2 bad input, 75 stopped after a checkpoint)."""
+    try:
+        preflight(cfg, data_given=data is not None)  # files, the model, vLLM, rewards: before any process group
+    except ConfigError as e:
+        say_error(f"config error: {e}")
+        return 2
     if cfg.generation_ranks and layout(cfg.generation_ranks).is_generator:
         try:
-            return serve(cfg)  # until the training ranks say stop
+            return serve(cfg, data)  # until the training ranks say stop
         except (ConfigError, DataError, LaunchError) as e:
             say_error(f"error (generation rank {os.environ.get('RANK')}): {e}")
             return 2
     try:
-        run, state = setup(cfg)
+        run, state = setup(cfg, data)
     except StoppedAtStartup as e:
         say_error(f"{e}; exit {PREEMPTED_EXIT_CODE}: rerun to start")
         return PREEMPTED_EXIT_CODE

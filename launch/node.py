@@ -57,6 +57,17 @@ def log(msg: str) -> None:
     print(f"{os.environ.get('LAUNCHER_NAME', 'node.py')}: {msg}", file=sys.stderr, flush=True)
 
 
+def entry(args: list[str]) -> list[str]:
+    """What each rank runs: a user's own script (`launch/local.sh my_train.py [--key value ...]`, one that builds a
+    grpo_recipe.GRPORun) or `-m grpo_recipe.train`, with the rest of the arguments."""
+    if args and args[0].endswith(".py") and not args[0].startswith("-"):
+        if not Path(args[0]).is_file():
+            log(f"{args[0]}: no such script")
+            sys.exit(2)
+        return [str(Path(args[0]).resolve()), *args[1:]]
+    return ["-m", "grpo_recipe.train", *args]
+
+
 def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, own_session: bool) -> int:
     """Start ranks node * nproc ... of grpo_recipe.train with `args`, supervise them, return the node's exit code.
 
@@ -85,7 +96,7 @@ def run_ranks(args: list[str], nproc: int, node: int, nnodes: int, env: dict, ow
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     procs = {}
     for i in range(nproc):
-        p = subprocess.Popen([sys.executable, "-m", "grpo_recipe.train", *args],
+        p = subprocess.Popen([sys.executable, *entry(args)],
                              env={**env, "RANK": str(node * nproc + i), "LOCAL_RANK": str(i)},
                              start_new_session=own_session, preexec_fn=_die_with_parent)
         procs[p.pid] = (node * nproc + i, p)

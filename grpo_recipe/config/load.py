@@ -171,26 +171,35 @@ class UniqueKeyLoader(yaml.SafeLoader):
 def load_config(argv: list[str] | None = None, world_size: int | None = None) -> Config:
     """Build and validate the config from `--config FILE.yaml` and CLI overrides."""
     config_path, overrides = parse_cli(sys.argv[1:] if argv is None else argv)
-    values: dict[str, Any] = {}
-    if config_path is not None:
-        path = resolve_path(config_path)  # the caller's folder first, then the repository (shipped configs)
-        if not path.is_file():
-            new = renamed(config_path)
-            hint = f" (the package `recipe` is now `grpo_recipe`: {new})" if new else ""
-            raise ConfigError(f"config file not found: {config_path}{hint}")
-        try:
-            loaded = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
-        except ConfigError as e:
-            raise ConfigError(f"config file {config_path}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {config_path} is not valid YAML: {yaml_problem(e)}") from None
-        if loaded is None:  # an empty or comments-only file: almost surely the wrong file, not "all defaults"
-            raise ConfigError(f"config file {config_path} is empty: it sets no field (leave out --config to run "
-                              "on the defaults)")
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {config_path} must hold a mapping of fields")
-        values.update(loaded)
+    values = read_yaml(config_path) if config_path is not None else {}
     values.update(overrides)
+    return config_from_values(values, world_size)
+
+
+def read_yaml(config_path: str) -> dict[str, Any]:
+    """A config file's fields, as written (checked only as YAML here)."""
+    path = resolve_path(config_path)  # the caller's folder first, then the repository (shipped configs)
+    if not path.is_file():
+        new = renamed(config_path)
+        hint = f" (the package `recipe` is now `grpo_recipe`: {new})" if new else ""
+        raise ConfigError(f"config file not found: {config_path}{hint}")
+    try:
+        loaded = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
+    except ConfigError as e:
+        raise ConfigError(f"config file {config_path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {config_path} is not valid YAML: {yaml_problem(e)}") from None
+    if loaded is None:  # an empty or comments-only file: almost surely the wrong file, not "all defaults"
+        raise ConfigError(f"config file {config_path} is empty: it sets no field (leave out --config to run "
+                          "on the defaults)")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {config_path} must hold a mapping of fields")
+    return dict(loaded)
+
+
+def config_from_values(values: dict[str, Any], world_size: int | None = None) -> Config:
+    """A checked Config from field values (a YAML file's, a dict given in Python), TRL's names taken."""
+    values = dict(values)
     check_old_names(values)
     types = field_types()
     values, notes = translate(values, set(types), training_defaults)

@@ -225,7 +225,18 @@ class Config:
         return self.max_passes > 1 or self.optimizer_steps_per_pass > 1
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as JSON-able data (a reward function given as a Python object appears as module:name)."""
+        out = dataclasses.asdict(self)
+        out["reward_funcs"] = [_named(f) for f in out["reward_funcs"]]
+        return out
+
+
+def _named(spec):
+    if callable(spec):
+        return f"{spec.__module__}:{spec.__qualname__}"
+    if isinstance(spec, dict) and callable(spec.get("func")):
+        return {**spec, "func": _named(spec["func"])}
+    return spec
 
 
 def field_types() -> dict[str, Any]:

@@ -75,12 +75,30 @@ def load_prompt_dataset(cfg: Config, for_eval: bool = False):
     return ds
 
 
-def load_datasets(cfg: Config):
-    """(train prompts, eval prompts or None): the eval set is eval_dataset_name, or eval_holdout_size train rows."""
+def load_datasets(cfg: Config, train=None, eval_set=None):
+    """(train prompts, eval prompts or None): the eval set is eval_dataset_name, or eval_holdout_size train rows.
+    `train`, `eval_set`: `datasets.Dataset` objects given in Python instead of dataset_name and eval_dataset_name
+    (checked the same way)."""
+    if train is not None:
+        check_dataset(train, cfg.prompt_column, "train_dataset")
+        if eval_set is not None:
+            check_dataset(eval_set, cfg.prompt_column, "eval_dataset")
+            return train, eval_set
+        return hold_out(train, cfg.eval_holdout_size, cfg.seed) if cfg.eval_holdout_size else (train, None)
     ds = load_prompt_dataset(cfg)
     if cfg.eval_holdout_size:
         return hold_out(ds, cfg.eval_holdout_size, cfg.seed)
     return ds, load_prompt_dataset(cfg, for_eval=True) if cfg.eval_dataset_name else None
+
+
+def check_dataset(ds, prompt_column: str, name: str) -> None:
+    import datasets
+
+    if not isinstance(ds, datasets.Dataset):
+        raise DataError(f"{name}: expected a datasets.Dataset, got {type(ds).__name__}")
+    check_columns(ds, prompt_column, name)
+    if len(ds) == 0:
+        raise DataError(f"{name}: has no rows")
 
 
 def hold_out(ds, size: int, seed: int):

@@ -150,7 +150,7 @@ def completions(got: dict, tokenizer) -> Completions:
 # ------------------------------------------------------------------------------------------
 # the generation ranks
 # ------------------------------------------------------------------------------------------
-def serve(cfg) -> int:
+def serve(cfg, data: tuple | None = None) -> int:
     """A generation rank's program: until trainer 0 says stop, take weights and generate the rollouts it asks
     for, for each trainer this rank serves. Returns the exit code."""
     from grpo_recipe.data.prompts import PromptStream, load_datasets
@@ -165,7 +165,7 @@ def serve(cfg) -> int:
     liveness.set_phase("start-up: loading the model")
     path = model_path(cfg)
     tok = load_tokenizer(path)
-    train_prompts, _ = load_datasets(cfg)
+    train_prompts, _ = load_datasets(cfg, *(data or ()))
     served = lay.served_by(lay.rank)
     streams = {t: PromptStream(train_prompts, tok, cfg, t, lay.trainers) for t in served}
     model = gen = None

@@ -151,14 +151,14 @@ def check_kwargs(name: str, fn: Callable, kwargs: dict) -> None:
 def load_reward_funcs(specs: list) -> list[RewardFunc]:
     funcs = []
     for spec in specs:
-        if isinstance(spec, str):
+        if isinstance(spec, str) or callable(spec):  # a name, or the function itself (the Python entry point)
             spec = {"func": spec}
         if not isinstance(spec, dict) or "func" not in spec:
             raise RewardError(f"reward_funcs: each entry is a name or a mapping with 'func', got {spec!r}")
         extra = set(spec) - {"func", "weight", "kwargs", "name"}
         if extra:
             raise RewardError(f"reward_funcs: unknown key(s) {sorted(extra)} in {spec!r}")
-        name, fn = _import(str(spec["func"]))
+        name, fn = (spec["func"].__name__, spec["func"]) if callable(spec["func"]) else _import(str(spec["func"]))
         weight = spec.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
             raise RewardError(f"reward_funcs: weight of {name!r} must be a finite number, got {weight!r}")

@@ -26,7 +26,7 @@ from grpo_recipe.rewards.funcs import RewardError, load_reward_funcs
 from grpo_recipe.run.checkpoint import free_space, mib, min_checkpoint_bytes, space_note
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config, data_given: bool = False) -> None:
     """Raise a ConfigError naming the field whose file, model, backend or reward function is unusable here."""
     ds = deepspeed_json(cfg.deepspeed_config)
     if cfg.hf_generation_gather == "per_layer":
@@ -42,7 +42,7 @@ def preflight(cfg: Config) -> None:
         check_bf16(True, torch.cuda.get_device_capability(gpu) >= (8, 0), torch.cuda.get_device_name(gpu))
     elif str(cfg.bf16).lower() == "true":
         check_bf16(False, False, "")
-    if looks_like_file(cfg.dataset_name):
+    if looks_like_file(cfg.dataset_name) and not data_given:
         need(resolve_path(cfg.dataset_name).is_file(), f"dataset_name: file not found: {cfg.dataset_name}")
     check_output_dir(cfg.output_dir)
     resume = cfg.resume_from_checkpoint  # a path's files are checked against its manifest when the run starts
