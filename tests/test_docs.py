@@ -98,3 +98,10 @@ def test_the_defaults_check_fails_on_a_wrong_default_in_a_scratch_copy(tmp_path)
     readme = tmp_path / "README.md"
     readme.write_text(readme.read_text().replace("`num_iterations` defaults to 1", "`num_iterations` defaults to auto"))
     assert wrong_defaults(tmp_path) == ["README.md: num_iterations stated as auto, config/schema.py has 1"]
+
+
+def test_the_readmes_reward_snippet_is_the_shipped_examples_code():
+    """The snippet is the example file's own functions (the README's once called .strip() on chat completions)."""
+    readme = (REPO / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "def format_reward" in b)
+    assert snippet.strip() in (REPO / "grpo_recipe" / "examples" / "gsm_rewards.py").read_text()

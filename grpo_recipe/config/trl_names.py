@@ -131,6 +131,15 @@ def _deepspeed(value, values):
     return {"deepspeed_config": value}, "-> deepspeed_config"
 
 
+@described("a reward model appended to `reward_funcs` (TRL's CLI script's field)")
+def _reward_model(value, values):
+    if not value:
+        return {}, None
+    funcs = values.get("reward_funcs")
+    funcs = funcs if isinstance(funcs, list) else [funcs] if funcs is not None else []
+    return {"reward_funcs": [*funcs, {"model": value}]}, "-> a reward_funcs entry {model: ...}"
+
+
 @described("true becomes `log_completions_steps` = `logging_steps`")
 def _log_completions(value, values):
     if not value:
@@ -210,12 +219,13 @@ TRAINING_FIELDS: dict[str, Rule] = {
     "gradient_checkpointing_kwargs": same_meaning("checkpointing runs non-reentrant"),
     "push_to_hub": only(False, "nothing is uploaded to the hub"),
     "remove_unused_columns": same_meaning("every dataset column but the prompt reaches the reward functions"),
+    "reward_model_name_or_path": _reward_model,  # TRL's CLI script argument, often in the same YAML
     "use_liger_kernel": only(False, "the recipe computes log-probs with its own chunked head"),
 }
 
 
 # (TRL field, recipe field) pairs where the TRL field completes the recipe field the config gives too
-REWRITES = {("reward_weights", "reward_funcs")}
+REWRITES = {("reward_weights", "reward_funcs"), ("reward_model_name_or_path", "reward_funcs")}
 # TRL's boolean fields, which a command line may give as a bare flag (--use_vllm)
 TRL_FLAGS = ("use_vllm", "disable_dropout", "cast_lm_head_to_fp32", "ds3_gather_for_generation", "shuffle_dataset",
              "trust_remote_code", "sync_ref_model", "use_adaptive_entropy", "log_completions", "log_unique_prompts",

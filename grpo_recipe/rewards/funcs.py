@@ -27,6 +27,7 @@ from grpo_recipe.config.schema import resolve_path
 from grpo_recipe.data.prompts import RESERVED_COLUMNS  # what the recipe passes itself
 from grpo_recipe.dist import liveness, signals
 from grpo_recipe.rewards.math_answers import answers_match, completion_answer, reference_answer
+from grpo_recipe.rewards.model import ModelReward, RewardModelError, is_model_spec
 
 
 class RewardError(RuntimeError):
@@ -151,14 +152,25 @@ def check_kwargs(name: str, fn: Callable, kwargs: dict) -> None:
 def load_reward_funcs(specs: list) -> list[RewardFunc]:
     funcs = []
     for spec in specs:
+        if isinstance(spec, str) and spec not in BUILTINS and is_model_spec(spec):  # TRL's reward_funcs="org/model"
+            spec = {"model": spec}
         if isinstance(spec, str) or callable(spec):  # a name, or the function itself (the Python entry point)
             spec = {"func": spec}
-        if not isinstance(spec, dict) or "func" not in spec:
-            raise RewardError(f"reward_funcs: each entry is a name or a mapping with 'func', got {spec!r}")
-        extra = set(spec) - {"func", "weight", "kwargs", "name"}
+        if not isinstance(spec, dict) or ("func" in spec) == ("model" in spec):
+            raise RewardError(f"reward_funcs: each entry is a name or a mapping with 'func' (a function) or 'model' "
+                              f"(a reward model), got {spec!r}")
+        allowed = {"func", "kwargs"} if "func" in spec else {"model", "tokenizer", "batch_size"}
+        extra = set(spec) - allowed - {"weight", "name"}
         if extra:
             raise RewardError(f"reward_funcs: unknown key(s) {sorted(extra)} in {spec!r}")
-        name, fn = (spec["func"].__name__, spec["func"]) if callable(spec["func"]) else _import(str(spec["func"]))
+        if "model" in spec:
+            try:
+                fn = ModelReward(str(spec["model"]), spec.get("tokenizer"), int(spec.get("batch_size", 16)))
+            except RewardModelError as e:
+                raise RewardError(f"reward_funcs: {e}") from None
+            name = fn.__name__
+        else:
+            name, fn = (spec["func"].__name__, spec["func"]) if callable(spec["func"]) else _import(str(spec["func"]))
         weight = spec.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
             raise RewardError(f"reward_funcs: weight of {name!r} must be a finite number, got {weight!r}")
