@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 
@@ -105,3 +106,24 @@ def test_the_readmes_reward_snippet_is_the_shipped_examples_code():
     readme = (REPO / "README.md").read_text()
     snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "def format_reward" in b)
     assert snippet.strip() in (REPO / "grpo_recipe" / "examples" / "gsm_rewards.py").read_text()
+
+
+@pytest.mark.slow
+def test_the_trl_walk_through_runs_as_written_in_smoke_size(tmp_path):
+    """docs/from-trl.md: its config (TRL's names) and its first command, with fewer steps and shorter completions."""
+    from grpo_recipe.dist.env import rank_env
+    from grpo_recipe.run.metrics import read_jsonl
+
+    page = (REPO / "docs" / "from-trl.md").read_text()
+    config = re.search(r"```yaml\n# trl_gsm8k.yaml\n(.*?)```", page, re.DOTALL).group(1)
+    (tmp_path / "trl_gsm8k.yaml").write_text(config)
+    command = re.search(r"```bash\n(.*?)\s+#", page, re.DOTALL).group(1).split()
+    assert command == ["bash", "launch/local.sh", "--config", "trl_gsm8k.yaml"]
+    out = tmp_path / "out"
+    proc = subprocess.run([command[0], str(REPO / command[1]), *command[2:], "--max_steps", "2", "--max_completion_length",
+                           "16", "--output_dir", str(out)], cwd=tmp_path, env=rank_env(VENV_PY=sys.executable),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "note (TRL config): reward_weights: -> each reward_funcs entry's weight" in proc.stderr
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2] and "reward/format_reward" in records[0]
