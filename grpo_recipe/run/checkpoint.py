@@ -379,7 +379,7 @@ class Checkpointer:
                          f"learning-rate schedule, lr_scheduler_type {self.cfg.lr_scheduler_type})")
         if diffs:
             raise CheckpointError(f"cannot resume from {folder}: the config differs in {'; '.join(diffs)}")
-        if meta["step"] > now["max_steps"]:  # its final model would be a later one than max_steps asks for
+        if meta.get("step", 0) > now["max_steps"]:  # its final model would be a later one than max_steps asks for
             raise CheckpointError(f"cannot resume from {folder}: it is at step {meta['step']}, beyond max_steps "
                                   f"{now['max_steps']}; raise max_steps, or resume from a checkpoint at or before "
                                   f"step {now['max_steps']} (--resume_from_checkpoint PATH)")
