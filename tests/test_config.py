@@ -37,6 +37,11 @@ def test_derived_sizes():
     (["--use_vllm", "--vllm_mode", "server"], "use_vllm: true with vllm_mode: server: no vLLM server is used here",
      "fields"),
     (["--stop", "['']"], "stop: must be a list of non-empty strings", "fields"),
+    (["--loss_type", "vespo", "--importance_sampling_level", "sequence"], "vespo computes its sequence weight itself",
+     "fields"),
+    (["--loss_type", "vespo", "--vespo_k_pos", "-1"], "vespo_k_pos: must be >= 0", "fields"),
+    (["--loss_type", "vespo", "--generation_backend", "vllm"], "vllm_importance_sampling_mode: vespo takes the "
+     "sampler's token weights", "fields"),
     (["--chat_template_kwargs", "[1]"], "chat_template_kwargs: expected a mapping", "fields"),
     (["--learning_rate", "abc"], "learning_rate: expected float", "fields"),
     (["--per_device_train_batch_size", "0"], "per_device_train_batch_size: must be >= 1", "fields"),

@@ -58,7 +58,6 @@ def test_every_trl_field_at_trls_default_loads_or_is_refused_with_its_reason():
     ("sync_ref_model", "true", "the reference model is not synced to the policy"),
     ("top_entropy_quantile", "0.2", "the quantile would be taken over each micro-batch"),
     ("use_adaptive_entropy", "true", "the entropy coefficient is fixed"),
-    ("vespo_k_pos", "4.0", "loss_type vespo is not implemented here"),
     ("max_tool_calling_iterations", "5", "multi-turn tool calling is not implemented here"),
     ("multi_objective_aggregation", "normalize_then_sum", "rewards are summed with their weights"),
     ("generation_batch_size", "64", "use those fields"),

@@ -236,6 +236,8 @@ LOSS_OPTIONS = {
                              "generation_backend": "vllm", "vllm_importance_sampling_correction": False},
     "dapo_entropy_bonus": {"entropy_coef": 0.05},
     "grpo_kl_bias_corrected": {"loss_type": "grpo", "beta": 0.1, "use_bias_correction_kl": True},
+    "luspo_sequence": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    "vespo": {"loss_type": "vespo", "learning_rate": 0.05},  # a step large enough for w to leave 1
     **{f"dapo_{mode}": {"generation_backend": "vllm", "vllm_importance_sampling_mode": mode, "sampling_logps": True,
                         "vllm_importance_sampling_clip_min": 0.5}
        for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
@@ -243,7 +245,7 @@ LOSS_OPTIONS = {
 
 
 # At ratio 1 (a rollout's first pass, on-policy) these have exactly dapo's gradient, -A grad logp, and its normalizer.
-SAME_ON_POLICY = ("cispo", "dapo_delta")
+SAME_ON_POLICY = ("cispo", "dapo_delta", "vespo")  # vespo: phi(1) = 1
 
 
 @pytest.mark.slow

@@ -10,12 +10,14 @@ importance-sampling mode: the loop hands it a `LossSpec` (data) and never branch
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
 
-SEQUENCE_LOSSES = ("grpo", "dr_grpo", "sapo")  # a unit is a sequence; step_token_mean, dapo and cispo count tokens
-CLIPPED_LOSSES = ("grpo", "step_token_mean", "dr_grpo", "dapo")  # PPO's clipped surrogate -min(r A, clip(r) A)
+# a unit is a sequence; step_token_mean, dapo, cispo and vespo count tokens
+SEQUENCE_LOSSES = ("grpo", "dr_grpo", "sapo", "luspo")
+CLIPPED_LOSSES = ("grpo", "step_token_mean", "dr_grpo", "dapo", "luspo")  # PPO's clipped -min(r A, clip(r) A)
 
 
 LOGPS_CHUNK_ELEMENTS = 1 << 20  # fp32 elements of logits handled at once (4 MiB: a chunk's temporaries stay in cache)
@@ -284,6 +286,10 @@ class LossSpec:
     beta: float = 0.0
     use_bias_correction_kl: bool = False  # the k3 term times the ratio (unbiased reverse-KL gradient)
     entropy_coef: float = 0.0
+    vespo_k_pos: float = 2.0  # vespo: the gamma weight's shape (k) and rate (lambda), by the advantage's sign
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
 
 def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -317,6 +323,25 @@ def surrogate(coef_1: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor
     raise ValueError(f"loss_type: unknown {spec.loss_type!r}")
 
 
+LOG_1E_8 = math.log(1e-8)
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                  is_weights: torch.Tensor | None, spec: LossSpec) -> torch.Tensor:
+    """VESPO's sequence weight phi(w) = exp(lambda + k log w - lambda w) [B, 1] (phi(1) = 1), detached: w is the
+    sequence's importance ratio, the sum of its clamped token log-ratios to the old policy plus, with a sampler
+    correction, the log of its token weights to the sampler (clamped at log 1e-8); k and lambda by A's sign."""
+    seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_weights is not None:
+        seq = seq + is_weights.log().clamp(LOG_1E_8, 20.0).sum(-1, keepdim=True)
+    log_w = seq.clamp(LOG_1E_8, 20.0)
+    pos = advantages.unsqueeze(-1) >= 0
+    k = torch.where(pos, spec.vespo_k_pos, spec.vespo_k_neg)
+    lam = torch.where(pos, spec.vespo_lambda_pos, spec.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                       eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token -min(r A, clip(r, 1-eps_low, 1+eps_high) A), and the ratio r = exp(logp - old_logp)."""
@@ -344,14 +369,17 @@ def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, nor
     """Sum this micro-batch's loss units and divide by `normalizer` (see the module docstring).
 
     grpo, sapo: unit = a sequence's mean token loss; dr_grpo: a sequence's token-loss sum / max_completion_length;
-    step_token_mean, dapo and cispo: unit = a token (they differ only in the normalizer the caller passes).
+    luspo: a sequence's token-loss sum; step_token_mean, dapo, cispo and vespo: unit = a token (they differ only in
+    the normalizer the caller passes).
     """
     masked = per_token * mask
     if loss_type in ("grpo", "sapo"):
         units = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
     elif loss_type == "dr_grpo":
         units = masked.sum(-1) / max_completion_length
-    elif loss_type in ("step_token_mean", "dapo", "cispo"):
+    elif loss_type == "luspo":
+        units = masked.sum(-1)
+    elif loss_type in ("step_token_mean", "dapo", "cispo", "vespo"):
         units = masked
     else:
         raise ValueError(f"loss_type: unknown {loss_type!r}")
@@ -364,13 +392,13 @@ def loss_normalizers(loss_type: str, step_tokens: torch.Tensor, step_sequences: 
 
     `step_tokens`, `step_sequences` [passes, steps]: active completion tokens and trained sequences of each step,
     summed over all ranks (known at rollout time; ranks may differ when zero_std_filter leaves groups out).
-    grpo, dr_grpo, sapo: the step's sequences; step_token_mean: the step's tokens; dapo, cispo: the rollout's mean
-    tokens per step, the same for every step of a pass.
+    grpo, dr_grpo, sapo, luspo: the step's sequences; step_token_mean: the step's tokens; dapo, cispo, vespo: the
+    rollout's mean tokens per step, the same for every step of a pass.
     """
     passes, steps = step_tokens.shape
     if loss_type in SEQUENCE_LOSSES:
         return step_sequences.float().clamp(min=1.0) / world_size
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         step_tokens = step_tokens.sum(dim=1, keepdim=True).expand(passes, steps) / steps
     elif loss_type != "step_token_mean":
         raise ValueError(f"loss_type: unknown {loss_type!r}")
@@ -444,7 +472,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if spec is None:
         spec = LossSpec(loss_type or "dapo", eps_low, eps_high, beta=beta)
     coef_1 = importance_ratio(logp, old_logp, mask, spec.importance_sampling_level)
-    per_token = surrogate(coef_1, logp, advantages, spec)
+    if spec.loss_type == "vespo":  # the sampler's weights enter its sequence weight, not the product below
+        per_token = -vespo_weights(logp.detach() - old_logp, mask, advantages, is_weights, spec) \
+            * advantages.unsqueeze(-1) * logp
+    else:
+        per_token = surrogate(coef_1, logp, advantages, spec)
     token_ratio = torch.exp(logp.detach() - old_logp)
     log_ratio = logp.detach() - old_logp
     # k3 estimate of KL(old || current) from the token ratios: r - 1 - log r (>= 0, no extra forward)
@@ -455,7 +487,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                                spec.off_policy_mask_threshold)
         per_token = per_token * keep
         stats["off_policy_masked"] = ((1.0 - keep) * (mask.sum(-1, keepdim=True) > 0)).sum()
-    if is_weights is not None:
+    if is_weights is not None and spec.loss_type != "vespo":
         per_token = per_token * is_weights
     if spec.beta > 0.0:
         kl = k3_kl(logp, ref_logp)

@@ -29,19 +29,8 @@ def loss_spec(cfg: Config) -> LossSpec:
     """The policy loss the config asks for, as data for algo/loss.py."""
     return LossSpec(cfg.loss_type, cfg.epsilon, cfg.eps_high, cfg.importance_sampling_level, cfg.delta,
                     cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, cfg.off_policy_mask_threshold, cfg.beta,
-                    cfg.use_bias_correction_kl, cfg.entropy_coef)
-
-
-def sampler_is_apart(cfg: Config) -> bool:
-    """Whether the samples come from another copy of the policy than the trainer's (vLLM's kernels, or a
-    generation rank's copy, maybe one sync behind), whose own log-probs come with them."""
-    return cfg.generation_backend == "vllm" or cfg.generation_ranks > 0
-
-
-def corrects_sampler(cfg: Config) -> bool:
-    """Whether the loss weighs the sampler's drift from the trainer (colocated hf samples with the trainer's own
-    weights)."""
-    return sampler_is_apart(cfg) and cfg.vllm_importance_sampling_correction
+                    cfg.use_bias_correction_kl, cfg.entropy_coef, cfg.vespo_k_pos, cfg.vespo_lambda_pos,
+                    cfg.vespo_k_neg, cfg.vespo_lambda_neg)
 
 
 @dataclass
@@ -222,7 +211,7 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
     `normalizers`: the step's (policy loss, entropy bonus) normalizers."""
     sums = {name: torch.zeros((), device=device()) for name in STEP_SUMS}
     is_max = torch.zeros(1, device=device())
-    spec, correct = loss_spec(cfg), corrects_sampler(cfg)
+    spec, correct = loss_spec(cfg), cfg.corrects_sampler
     lr = engine.get_lr()[0]  # what this step's update uses (the scheduler steps at its accumulation boundary)
     for idx in micro_batches:
         mb = _to_device(buf.micro_batch(idx))
@@ -240,7 +229,7 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
         if cfg.beta > 0.0:
             with torch.no_grad():
                 ref_logp = forward_logps(ref, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature)
-        is_weights, sampling = None, mb["sampling_logps"] if sampler_is_apart(cfg) else None
+        is_weights, sampling = None, mb["sampling_logps"] if cfg.sampler_is_apart else None
         if correct:  # the sampler's drift from the old policy
             is_weights, is_ratio = sampler_is_weights(old, sampling, mask, cfg.vllm_importance_sampling_mode,
                                                       cfg.vllm_importance_sampling_clip_min,

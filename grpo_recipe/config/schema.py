@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo", "cispo", "sapo")  # what each means: algo/loss.py
+LOSS_TYPES = ("grpo", "step_token_mean", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # what each means: algo/loss.py
 # Losses that sum token contributions: a sequence-level ratio would weight each sequence by its length.
 TOKEN_SUM_LOSSES = ("step_token_mean", "dr_grpo", "dapo", "cispo")
 IS_LEVELS = ("token", "sequence")
@@ -132,7 +132,12 @@ class Config:
                                              "unbiased reverse-KL gradient)")
     entropy_coef: float = opt(0.0, "entropy bonus: subtract coef x the mean token entropy of the optimizer step")
     beta: float = opt(0.0, "KL coefficient (k3) against the frozen reference model; 0 = no reference")
-    loss_type: str = opt("dapo", "grpo, step_token_mean, dr_grpo, dapo, cispo or sapo (docs: the loss table)")
+    loss_type: str = opt("dapo", "grpo, step_token_mean, dr_grpo, dapo, cispo, sapo, luspo or vespo (docs: the "
+                                 "loss table)")
+    vespo_k_pos: float = opt(2.0, "vespo: the gamma weight's shape k for sequences with advantage >= 0")
+    vespo_lambda_pos: float = opt(3.0, "vespo: the gamma weight's rate lambda for sequences with advantage >= 0")
+    vespo_k_neg: float = opt(3.0, "vespo: the gamma weight's shape k for sequences with advantage < 0")
+    vespo_lambda_neg: float = opt(2.0, "vespo: the gamma weight's rate lambda for sequences with advantage < 0")
     mask_truncated_completions: bool = opt(False, "drop completions that hit max_completion_length from the loss")
     reuse_target_kl: float | None = opt(None, "adaptive reuse at a fixed mu: skip a rollout's remaining passes once a "
                                         "pass's mean approximate KL to the sampling policy exceeds this; null = off")
@@ -214,6 +219,18 @@ class Config:
     @property
     def auto_reuse(self) -> bool:
         return self.num_iterations == "auto"
+
+    @property
+    def sampler_is_apart(self) -> bool:
+        """Whether the samples come from another copy of the policy than the trainer's (vLLM's kernels, or a
+        generation rank's copy, maybe one sync behind), whose own log-probs come with them."""
+        return self.generation_backend == "vllm" or self.generation_ranks > 0
+
+    @property
+    def corrects_sampler(self) -> bool:
+        """Whether the loss weighs the sampler's drift from the trainer (colocated hf samples with the trainer's
+        own weights)."""
+        return self.sampler_is_apart and self.vllm_importance_sampling_correction
 
     @property
     def max_passes(self) -> int:
@@ -440,7 +457,7 @@ def validate_loss_options(cfg: Config) -> None:
     need(cfg.delta is None or cfg.delta > 1.0 + cfg.eps_high,
          f"delta: must be > 1 + epsilon_high = {1.0 + cfg.eps_high} (it caps ratios above the clip range), "
          f"got {cfg.delta}")
-    need(cfg.delta is None or cfg.loss_type not in ("cispo", "sapo"),
+    need(cfg.delta is None or cfg.loss_type not in ("cispo", "sapo", "vespo"),
          f"delta: caps the clipped surrogate's ratio; loss_type {cfg.loss_type} has none")
     if cfg.loss_type == "cispo":
         need(cfg.epsilon_high is not None and cfg.epsilon_high > 1.0,
@@ -448,6 +465,14 @@ def validate_loss_options(cfg: Config) -> None:
              f"(ScaleRL: 5.0), got {cfg.epsilon_high}")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         need(getattr(cfg, name) > 0.0, f"{name}: must be > 0, got {getattr(cfg, name)}")
+    if cfg.loss_type == "vespo":
+        need(level == "token", "importance_sampling_level: vespo computes its sequence weight itself from the token "
+                               "ratios: use token")
+        need(not cfg.corrects_sampler or not cfg.vllm_importance_sampling_mode.startswith("sequence"),
+             f"vllm_importance_sampling_mode: vespo takes the sampler's token weights into its sequence weight: use "
+             f"token_truncate or token_mask, got {cfg.vllm_importance_sampling_mode}")
+        for name in ("vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            need(getattr(cfg, name) >= 0.0, f"{name}: must be >= 0, got {getattr(cfg, name)}")
     thr = cfg.off_policy_mask_threshold
     need(thr is None or thr > 0.0, f"off_policy_mask_threshold: must be > 0 (a mean KL), got {thr}")
     need(cfg.entropy_coef >= 0.0, f"entropy_coef: must be >= 0 (a bonus), got {cfg.entropy_coef}")

@@ -176,8 +176,6 @@ GRPO_FIELDS: dict[str, Rule] = {
     "vllm_group_port": only(51216, NO_SERVER),
     "vllm_max_model_length": rename("vllm_max_model_len"),
     "vllm_importance_sampling_cap": rename("vllm_importance_sampling_clip_max"),
-    **{k: only(v, "loss_type vespo is " + NOT_IMPLEMENTED) for k, v in
-       (("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0), ("vespo_k_neg", 3.0), ("vespo_lambda_neg", 2.0))},
     "reward_weights": _reward_weights,
     "multi_objective_aggregation": only("sum_then_normalize", "rewards are summed with their weights, then "
                                                               "normalized per group (TRL's default)"),
@@ -206,7 +204,8 @@ SAME = ("num_generations", "max_completion_length", "temperature", "top_p", "top
         "beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos",
         "importance_sampling_level", "scale_rewards", "loss_type", "mask_truncated_completions", "entropy_coef",
         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-        "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_bias_correction_kl")
+        "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_bias_correction_kl", "vespo_k_pos",
+        "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 # TrainingArguments fields that mean something else here, or a value the recipe cannot honour.
 TRAINING_FIELDS: dict[str, Rule] = {
     "num_train_epochs": only(3.0, "runs are counted in optimizer steps", "max_steps"),
