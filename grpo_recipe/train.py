@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from grpo_recipe.algo.buffer import RolloutBuffer
 from grpo_recipe.algo.clock import Timer
-from grpo_recipe.algo.loss import group_advantages, zero_std_groups
+from grpo_recipe.algo.loss import batch_normalized, group_advantages, normalized_sum, zero_std_groups
 from grpo_recipe.algo.reuse import ReuseController
 from grpo_recipe.algo.update import NonFiniteError, StepResult, check_finite, train_on_rollout
 from grpo_recipe.config.help import help_text
@@ -172,8 +172,9 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
 
 
 def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_prompts: int, prompt_tokens: int,
-                  error: bool, zero_std: torch.Tensor) -> dict:
-    """Reward and completion statistics over all ranks, in one all-reduce (which also shares errors)."""
+                  error: bool, zero_std: torch.Tensor, objective: torch.Tensor | None = None) -> dict:
+    """Reward and completion statistics over all ranks, in one all-reduce (which also shares errors); with
+    `objective` (GDPO's normalized sums) its mean and std over all ranks too."""
     r64 = rewards.double()  # the batch std divides advantages: sums in float64, so 1 or N ranks agree
     lengths = comp.mask.sum(-1)
     sums = {"samples": rewards.numel(), "length": lengths.sum(), "truncated": comp.truncated.float().sum(),
@@ -181,6 +182,9 @@ def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_pro
             "zero_std_groups": zero_std.sum(), "groups": zero_std.numel(),
             "reward": r64.sum(), "reward^2": (r64 ** 2).sum(),
             "ranks": 1.0, "decode_steps": lengths.max() if len(lengths) else 0, "tokens": prompt_tokens + lengths.sum()}
+    if objective is not None:
+        o64 = objective.double()
+        sums |= {"objective": o64.sum(), "objective^2": (o64 ** 2).sum()}
     for k, v in per_func.items():  # each function over the samples it applies to (NaN: it returned None there)
         applies = ~v.isnan()
         sums |= {f"reward/{k}": v.double().nansum(), f"reward/{k}^2": (v.double()[applies] ** 2).sum(),
@@ -198,13 +202,14 @@ def summarize_rollout(sums: dict[str, float], names: list[str]) -> dict:
     n = sums["samples"]
     per_func = {k: mean_std(f"reward/{k}", sums[f"applies/{k}"]) for k in names}
     mean, std = mean_std("reward", n)
+    objective = dict(zip(("objective_mean", "objective_std"), mean_std("objective", n))) if "objective" in sums else {}
     return {"reward_mean": mean, "reward_std": std, "frac_reward_zero_std": sums["zero_std_groups"] / sums["groups"],
             "completion_length_mean": sums["length"] / n, "truncated_fraction": sums["truncated"] / n,
             # what the rollout cost: its decoding steps (longest completion, mean over ranks) and the tokens a
             # pass trains on (prompts and completions, all ranks); reuse.py prices replays with them
             "decode_steps": sums["decode_steps"] / sums["ranks"], "rollout_tokens": int(sums["tokens"]),
             "prompts_truncated": int(sums["prompts_truncated"]), "failed_ranks": int(sums["failed_ranks"]),
-            **{f"reward/{k}": m for k, (m, _) in per_func.items()},
+            **objective, **{f"reward/{k}": m for k, (m, _) in per_func.items()},
             **{f"reward/{k}_std": s for k, (_, s) in per_func.items()}}
 
 
@@ -240,15 +245,22 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
             error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in run.rewards}
     liveness.set_phase(f"rollout {rollout}: reward statistics (all ranks)")
     zero_std = zero_std_groups(rewards, G)
+    objective = None  # GDPO: each function normalized within its group first, then weighted and summed
+    if cfg.multi_objective_aggregation == "normalize_then_sum" and error is None:
+        objective = normalized_sum(torch.stack([per_func[f.name] for f in run.rewards], dim=-1),
+                                   torch.tensor([f.weight for f in run.rewards]), G)
     stats = rollout_stats(rewards, per_func, comp, batch.num_truncated, sum(map(len, rows.prompt_ids)),
-                          error is not None, zero_std) | run.generator.stats  # generation_ranks: this rank's lag
+                          error is not None, zero_std, objective) | run.generator.stats  # generation_ranks: its lag
     if stats.pop("failed_ranks"):  # every rank names the function that failed (or was stopped), wherever it ran
         failed_rank, message = first_error(None if error is None else str(error))
         message = message if failed_rank == run.rank else f"{message} (on rank {failed_rank})"
         raise (RewardStopped if message.startswith("stopped by") else RewardError)(message)
     liveness.set_phase(f"rollout {rollout}: training (all ranks)")
     # every group lives on this rank; scale_rewards: batch divides by the std over all ranks (as TRL does)
-    advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std=stats["reward_std"])
+    if objective is not None:  # GDPO's sums, normalized over the whole batch (all ranks)
+        advantages = batch_normalized(objective, stats.pop("objective_mean"), stats.pop("objective_std"))
+    else:
+        advantages = group_advantages(rewards, G, cfg.scale_rewards, batch_std=stats["reward_std"])
     mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
     active = ~zero_std.repeat_interleave(G) if cfg.zero_std_filter else None  # all-equal groups teach nothing
     buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, run.tokenizer.pad_token_id,

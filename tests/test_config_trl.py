@@ -59,7 +59,7 @@ def test_every_trl_field_at_trls_default_loads_or_is_refused_with_its_reason():
     ("top_entropy_quantile", "0.2", "the quantile would be taken over each micro-batch"),
     ("use_adaptive_entropy", "true", "the entropy coefficient is fixed"),
     ("max_tool_calling_iterations", "5", "multi-turn tool calling is not implemented here"),
-    ("multi_objective_aggregation", "normalize_then_sum", "rewards are summed with their weights"),
+    ("multi_objective_aggregation", "sum_then_average", "must be sum_then_normalize or normalize_then_sum"),
     ("generation_batch_size", "64", "use those fields"),
     ("vllm_server_port", "9000", "no vLLM server is used here"),
     ("fp16", "true", "fp16 is not supported"),

@@ -377,3 +377,31 @@ def test_tf32_is_on_only_inside_a_mixed_precision_heads_gradient_sum():
             assert torch.backends.cuda.matmul.allow_tf32 is False  # an fp32 run keeps full fp32
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_gdpo_normalizes_each_function_within_its_group_before_the_weighted_sum():
+    """normalize_then_sum against a plain loop: per group and function, (r - mean) / (sample std + 1e-4) over the
+    completions the function applies to (NaN: it does not), weighted, summed over the functions it applies to."""
+    from grpo_recipe.algo.loss import batch_normalized, normalized_sum
+
+    g = torch.Generator().manual_seed(0)
+    G, groups, K = 4, 3, 3
+    per_func = torch.randn(groups * G, K, generator=g) * torch.tensor([1.0, 10.0, 0.1])
+    per_func[1, 2] = per_func[5, 0] = per_func[6, 2] = float("nan")  # not applicable there
+    per_func[8:12, 1] = 7.0  # a function that scores a whole group alike: 0 there
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    want = torch.zeros(groups * G, dtype=torch.float64)
+    for grp in range(groups):
+        rows = range(grp * G, (grp + 1) * G)
+        for k in range(K):
+            vals = [float(per_func[i, k]) for i in rows if not math.isnan(per_func[i, k])]
+            mean = sum(vals) / len(vals)
+            std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+            for i in rows:
+                if not math.isnan(per_func[i, k]):
+                    want[i] += float(weights[k]) * (float(per_func[i, k]) - mean) / (std + 1e-4)
+    got = normalized_sum(per_func, weights, G)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert got[8:12].abs().max() > 0  # the others still move that group
+    adv = batch_normalized(got, got.double().mean().item(), got.double().std().item())
+    assert abs(adv.mean().item()) < 1e-6 and abs(adv.std().item() - 1.0) < 1e-3

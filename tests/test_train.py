@@ -44,6 +44,24 @@ def test_rollout_statistics_against_direct_computation():
     assert stats["reward/accuracy"] == pytest.approx(5 / 10)
     assert stats["completion_length_mean"] == pytest.approx(mask.sum().item() / 12)
     assert stats["truncated_fraction"] == pytest.approx((mask.sum(-1) == 6).float().mean().item())
+    objective = torch.randn(12, generator=g)  # GDPO's sums: their mean and sample std over all ranks come back
+    stats = rollout_stats(total, {"length": length}, comp, 3, 7, False, zero_std_groups(total, 4), objective)
+    assert stats["objective_mean"] == pytest.approx(objective.mean().item(), abs=1e-6)
+    assert stats["objective_std"] == pytest.approx(objective.std().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_gdpo_trains_two_reward_functions_on_two_ranks(tmp_path):
+    """multi_objective_aggregation: normalize_then_sum with two functions of very different scales."""
+    out = tmp_path / "out"
+    funcs = "[length, {func: length, name: short, weight: 0.5, kwargs: {target_chars: 8}}]"
+    torchrun(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", "--max_steps", "3",
+                 "--num_iterations", "1", "--max_completion_length", "12", "--disable_tqdm", "true",
+                 "--multi_objective_aggregation", "normalize_then_sum", "--reward_funcs", funcs,
+                 "--output_dir", str(out)])
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and all("reward/short" in r for r in records)
+    assert any(r["loss"] != 0.0 for r in records) and "objective_mean" not in records[0]
 
 
 def check_final_model(out):

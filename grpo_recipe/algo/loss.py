@@ -272,6 +272,23 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return (centered / (std + STD_EPS)).flatten()
 
 
+def normalized_sum(per_func: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GDPO's reward per completion (`multi_objective_aggregation: normalize_then_sum`): each function's values
+    [N, K] (NaN where it does not apply) centered and divided by (std + 1e-4) within each group, over the
+    completions it applies to (sample std; 0 for one), then weighted and summed over the functions (NaN skipped)."""
+    grouped = per_func.view(-1, group_size, per_func.shape[-1]).double()
+    n = (~grouped.isnan()).sum(dim=1, keepdim=True)
+    mean = grouped.nansum(dim=1, keepdim=True) / n.clamp(min=1)
+    var = ((grouped - mean) ** 2).nansum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+    z = (grouped - mean) / (var.sqrt() + STD_EPS)
+    return (z * weights.double()).nansum(dim=-1).flatten().float()
+
+
+def batch_normalized(values: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    """(x - mean) / (std + 1e-4), with the mean and std of the whole batch over all ranks (GDPO's advantages)."""
+    return (values - mean) / (std + STD_EPS)
+
+
 @dataclass(frozen=True)
 class LossSpec:
     """What the policy loss is, as data: the loss type and every option that shapes it (TRL's names)."""

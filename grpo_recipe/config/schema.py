@@ -115,6 +115,10 @@ class Config:
     reward_timeout_s: float = opt(300.0, "the most seconds one reward function call may take on a rank: then the "
                                           "run stops naming it (a stop signal also cuts it short); 0 = no bound")
     scale_rewards: str = opt("group", "std dividing the centered rewards: group, batch (all ranks) or none")
+    multi_objective_aggregation: str = opt("sum_then_normalize", "sum_then_normalize: weighted sum of the rewards, "
+                                           "then group advantages; normalize_then_sum (GDPO): each function "
+                                           "normalized within its group, weighted sum, then normalized over the "
+                                           "batch (scale_rewards does not apply)")
     # --- GRPO --------------------------------------------------------------------------
     num_iterations: int | str = opt(1, "mu: optimizer passes over each rollout (1, as TRL), or auto: decided after "
                                     "each pass, at most reuse_max_iterations (docs: algorithm, reuse)")
@@ -311,6 +315,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          "its update depends on how the rollout is split; use step_token_mean (the step's tokens on all ranks) or dapo")
     need(cfg.loss_type in LOSS_TYPES, f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {cfg.loss_type!r}")
     validate_loss_options(cfg)
+    need(cfg.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+         f"multi_objective_aggregation: must be sum_then_normalize or normalize_then_sum, got "
+         f"{cfg.multi_objective_aggregation!r}")
     need(cfg.scale_rewards in SCALE_REWARDS,
          f"scale_rewards: must be one of {', '.join(SCALE_REWARDS)}, got {cfg.scale_rewards!r}")
     need(cfg.temperature > 0.0, f"temperature: must be > 0, got {cfg.temperature}")

@@ -177,8 +177,6 @@ GRPO_FIELDS: dict[str, Rule] = {
     "vllm_max_model_length": rename("vllm_max_model_len"),
     "vllm_importance_sampling_cap": rename("vllm_importance_sampling_clip_max"),
     "reward_weights": _reward_weights,
-    "multi_objective_aggregation": only("sum_then_normalize", "rewards are summed with their weights, then "
-                                                              "normalized per group (TRL's default)"),
     "sync_ref_model": only(False, "the reference model is not synced to the policy (TR-DPO) here"),
     "ref_model_mixup_alpha": only(0.6, "the reference model is not synced (sync_ref_model)"),
     "ref_model_sync_steps": only(512, "the reference model is not synced (sync_ref_model)"),
@@ -205,7 +203,7 @@ SAME = ("num_generations", "max_completion_length", "temperature", "top_p", "top
         "importance_sampling_level", "scale_rewards", "loss_type", "mask_truncated_completions", "entropy_coef",
         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
         "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_bias_correction_kl", "vespo_k_pos",
-        "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+        "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation")
 # TrainingArguments fields that mean something else here, or a value the recipe cannot honour.
 TRAINING_FIELDS: dict[str, Rule] = {
     "num_train_epochs": only(3.0, "runs are counted in optimizer steps", "max_steps"),
