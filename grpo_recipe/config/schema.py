@@ -460,7 +460,7 @@ def validate_loss_options(cfg: Config) -> None:
     need(level in IS_LEVELS, f"importance_sampling_level: must be token or sequence, got {level!r}")
     need(level == "token" or cfg.loss_type not in TOKEN_SUM_LOSSES,
          f"importance_sampling_level: sequence with loss_type {cfg.loss_type}, which sums token contributions, "
-         f"weights each sequence by its length instead of the per-sequence objective: use loss_type grpo or sapo")
+         f"weights each sequence by its length instead of the per-sequence objective: use loss_type grpo, sapo or luspo")
     need(cfg.delta is None or cfg.delta > 1.0 + cfg.eps_high,
          f"delta: must be > 1 + epsilon_high = {1.0 + cfg.eps_high} (it caps ratios above the clip range), "
          f"got {cfg.delta}")
