@@ -369,16 +369,25 @@ def plot(runs: list[dict], result: dict, path: Path) -> None:
     if factor:
         panels.append(("projected", "projected seconds at g = 0.8 (a model)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
-    colors = {}
+    by = {}
     for r in sorted(runs, key=lambda r: (r["variant"], r["seed"])):
-        c = colors.setdefault(r["variant"], f"C{len(colors)}")
-        ys = [p["accuracy"] for p in r["curve"]]
-        xs = {"rollouts": [p["rollouts"] for p in r["curve"]], "measured": point_times(r),
-              "projected": point_times(r, factor or 1.0)}
-        for ax, (key, label) in zip(axes[0], panels):
-            ax.plot(xs[key], ys, color=c, alpha=0.8, marker=".", label=r["variant"] if r["seed"] == min(
-                x["seed"] for x in runs if x["variant"] == r["variant"]) else None)
-            ax.set_xlabel(label)
+        by.setdefault((r["variant"], r["setting"]), []).append(r)
+    for i, ((variant, setting), group) in enumerate(sorted(by.items())):
+        c = f"C{i}"
+        curves = []
+        for r in group:  # each seed thin; the median over seeds, point by point, thick
+            xs = {"rollouts": [p["rollouts"] for p in r["curve"]], "measured": point_times(r),
+                  "projected": point_times(r, factor or 1.0)}
+            curves.append((xs, [p["accuracy"] for p in r["curve"]]))
+            for ax, (key, _) in zip(axes[0], panels):
+                ax.plot(xs[key], curves[-1][1], color=c, alpha=0.3, linewidth=0.8)
+        n = min(len(y) for _, y in curves)
+        label = f"{variant} ({setting}, {len(group)} seed{'s' if len(group) > 1 else ''})"
+        for ax, (key, axis) in zip(axes[0], panels):
+            mx = [statistics.median(x[key][j] for x, _ in curves) for j in range(n)]
+            my = [statistics.median(y[j] for _, y in curves) for j in range(n)]
+            ax.plot(mx, my, color=c, linewidth=2, marker=".", label=label)
+            ax.set_xlabel(axis)
     target = result.get("verdicts", {}).get("target_accuracy")
     for ax in axes[0]:
         ax.set_ylabel("held-out greedy accuracy")
