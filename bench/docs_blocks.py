@@ -115,7 +115,47 @@ def trl_default_differences(results: Path) -> str:
     return "Defaults that differ from TRL's: " + ", ".join(rows) + "."
 
 
-BLOCKS = {"trl-default-differences": trl_default_differences, "regimes-bars": regimes_bars, "lora-memory-table": lora_memory_table, "lora-vllm-peaks": lora_vllm_peaks, "status": status}
+def vs_trl_step(results: Path) -> str:
+    """docs/benchmarks.md: seconds per optimizer step against TRL on the tiny model."""
+    r = _load(results, "vs_trl.json")
+    mu = r["by_mu"]
+    return (f"{mu['1']['sec_per_step']['ratio']:.2f} of TRL's at mu = 1, {mu['4']['sec_per_step']['ratio']:.2f} at "
+            f"mu = 4 ({r['step_time_ratio']:.2f} over all pairs)")
+
+
+def breakdown_overhead(results: Path) -> str:
+    return f"{_load(results, 'breakdown.json')['overhead_share']:.0%}"
+
+
+def lora_optimizer_state(results: Path) -> str:
+    m = _load(results, "lora_memory.json")["models"]
+    ratio = lambda k: m[k]["lora"][0]["optimizer_state_bytes"] / m[k]["full"][0]["optimizer_state_bytes"]  # noqa: E731
+    return (f"{ratio('bigger'):.2g}x the optimizer state of full fine-tuning on a "
+            f"{m['bigger']['full'][0]['params_total'] / 1e6:.0f}M model ({ratio('tiny'):.2g}x on the tiny one)")
+
+
+def vllm_speedup(results: Path) -> str:
+    r = _load(results, "vllm_vs_hf.json")
+    return (f"{r['vllm_speedup']:.2f}x transformers' tokens/s on the tiny model, weight sync "
+            f"{r['sync_s_per_rollout']['mean'] * 1e3:.0f} ms per rollout")
+
+
+def smollm2_learns(results: Path) -> str:
+    r = _load(results, "smollm2_arith.json")
+    e, c = r["eval"], r["confirm"]
+    return (f"greedy held-out accuracy {e['accuracy_before']:.3f} -> {e['accuracy_after']:.3f} on {e['n']} questions "
+            f"(McNemar p = {e['paired']['mcnemar_exact_p']:.0e}) and {c['accuracy_before']:.3f} -> "
+            f"{c['accuracy_after']:.3f} on {c['n']} more (p = {c['paired']['mcnemar_exact_p']:.0e})")
+
+
+def whole_run_memory(results: Path) -> str:
+    w = _load(results, "scale.json")["whole_run"]["default_policy_worst"]
+    return f"{w['1']:.2f}x the fp32 model at world 1 (goal 5.0x), {w['2']:.2f}x at world 2 (goal 3.0x)"
+
+
+BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
+          "lora-optimizer-state": lora_optimizer_state, "vllm-speedup": vllm_speedup,
+          "smollm2-learns": smollm2_learns, "whole-run-memory": whole_run_memory, "trl-default-differences": trl_default_differences, "regimes-bars": regimes_bars, "lora-memory-table": lora_memory_table, "lora-vllm-peaks": lora_vllm_peaks, "status": status}
 
 
 def pages(root: Path) -> list[Path]:
