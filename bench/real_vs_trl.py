@@ -403,12 +403,13 @@ def plot(runs: list[dict], result: dict, path: Path) -> None:
 # the README's section: generated from the results file (tests/test_bench_results.py checks it is)
 # ------------------------------------------------------------------------------------------
 BEGIN, END = "<!-- real_vs_trl:begin (python bench/real_vs_trl.py --docs) -->", "<!-- real_vs_trl:end -->"
-DOCS = {"README.md": "bench/results/real_vs_trl.png", "bench/README.md": "results/real_vs_trl.png"}  # page: figure
+# page: (its path to the figure, short)
+DOCS = {"README.md": ("bench/results/real_vs_trl.png", True), "bench/README.md": ("results/real_vs_trl.png", False)}
 
 
-def render(r: dict | None, figure: str | None = None) -> str:
+def render(r: dict | None, figure: str | None = None, short: bool = False) -> str:
     """The study's state and verdicts in prose and tables, from a results file (None: there is none yet); with
-    `figure`, the figure's path from the page, below them."""
+    `figure`, the figure's path from the page, below them; `short`: the pilots in one line instead of a table."""
     if r is None:
         return "No run of the study has finished yet (`bench/results/real_vs_trl.json` does not exist)."
     d, sel, v = r["design"], r["selection"], r.get("verdicts") or {}
@@ -418,16 +419,22 @@ def render(r: dict | None, figure: str | None = None) -> str:
              f"(`bench/real_vs_trl.py`, design in its docstring). **Stage: "
              + ("comparison complete" if r["complete"] else "comparison running" if sel["pilot_gate_met"]
                 else "pilots (stable learning first)") + ".**", ""]
-    lines += [f"Pilots (seeds {', '.join(map(str, d['pilot_seeds']))}; the gate: every pilot run gains >= "
-              f"{d['gate_gain']:g} and never falls below the untrained accuracy after the first quarter):", "",
-              "| setting | changes | variant | seed | final accuracy | gain | lowest after the first quarter | gate |",
-              "|---|---|---|---|---|---|---|---|"]
-    for p in sorted(sel["pilots"], key=lambda p: (p["setting"], p["seed"], p["variant"])):
+    gate_text = (f"the gate: every pilot run gains >= {d['gate_gain']:g} and never falls below the untrained accuracy "
+                 f"after the first quarter")
+    if short:
+        done = ", ".join(f"{p['variant']} seed {p['seed']} {f(p['gain'], '+.3f')} ({'passes' if p['passes'] else 'fails'})"
+                         for p in sorted(sel["pilots"], key=lambda p: (p["setting"], p["seed"], p["variant"])))
+        lines += [f"Pilots ({gate_text}): {done or 'none finished yet'}."]
+    else:
+        lines += [f"Pilots (seeds {', '.join(map(str, d['pilot_seeds']))}; {gate_text}):", "",
+                  "| setting | changes | variant | seed | final accuracy | gain | lowest after the first quarter | gate |",
+                  "|---|---|---|---|---|---|---|---|"]
+    for p in [] if short else sorted(sel["pilots"], key=lambda p: (p["setting"], p["seed"], p["variant"])):
         changes = ", ".join(f"{k} {x}" for k, x in d["settings"][p["setting"]].items()) or "none (the base)"
         lines.append(f"| {p['setting']} | {changes} | {p['variant']} | {p['seed']} | {f(p['final_accuracy'])} | "
                      f"{f(p['gain'], '+.3f')} | {f(p['min_after_first_quarter'])} | "
                      f"{'passes' if p['passes'] else 'fails'} |")
-    if not sel["pilots"]:
+    if not sel["pilots"] and not short:
         lines.append("| (no pilot has finished yet) | | | | | | | |")
     lines.append("")
     if sel["pilot_gate_met"]:
@@ -437,6 +444,7 @@ def render(r: dict | None, figure: str | None = None) -> str:
     if v:
         counts = ", ".join(f"{k}: {len(x['seeds'])} seeds" for k, x in r["variants"].items())
         lines += ["", f"Verdicts ({counts}):", ""]
+        first_verdict = len(lines)
         par = v.get("parity")
         if par:
             lines.append(f"- Parity: ours_mu1 - trl_mu1 mean held-out accuracy {f(par['mean_accuracy_difference'], '+.3f')}"
@@ -451,6 +459,8 @@ def render(r: dict | None, figure: str | None = None) -> str:
                          + f". Goal met: **{'yes' if v['reuse_goal_met'] else 'no'}**.")
         else:
             lines.append("- Reuse: ours_mu1 gained nothing at its median, so no target can be set.")
+    if v and short:  # one paragraph: the README stays short
+        lines[first_verdict - 2:] = [" ".join([lines[first_verdict - 2]] + [x.lstrip("- ") for x in lines[first_verdict:]])]
     if figure:
         lines += ["", f"![Held-out accuracy against rollouts, measured and projected seconds]({figure})"]
     return "\n".join(lines)
@@ -459,12 +469,12 @@ def render(r: dict | None, figure: str | None = None) -> str:
 def write_docs(result: dict) -> list[Path]:
     """Replace the marked block of each page in DOCS with `render(result)`; returns the pages changed."""
     changed = []
-    for name, figure in DOCS.items():
+    for name, (figure, short) in DOCS.items():
         page = REPO / name
         text = page.read_text()
         head, _, rest = text.partition(BEGIN)
         _, _, tail = rest.partition(END)
-        new = f"{head}{BEGIN}\n{render(result, figure if result is not None else None)}\n{END}{tail}"
+        new = f"{head}{BEGIN}\n{render(result, figure if result is not None else None, short)}\n{END}{tail}"
         if new != text:
             page.write_text(new)
             changed.append(page)
