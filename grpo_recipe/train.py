@@ -155,11 +155,13 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
     if resume_from is not None:
         state = LoopState.from_state_dict(checkpointer.load(resume_from, engine))
         generator.load_state_dict(state.generator)
+        synced = generator.syncs
         generator.sync(engine)  # the checkpoint's weights, for a generator that started from the model folder
+        synced = generator.syncs - synced  # 1 where it synced (vLLM, generation ranks), 0 where it needs none
         # counted as the uninterrupted run counts: there, a rollout whose passes are done syncs next (this sync
         # stands for it) unless an evaluation synced already; in the middle of a rollout nothing syncs
         done = state.position == (cfg.max_passes - 1, cfg.optimizer_steps_per_pass - 1)
-        generator.syncs = state.weight_syncs + int(done and not state.weights_synced)
+        generator.syncs = state.weight_syncs + (synced if done and not state.weights_synced else 0)
         if rank == 0:
             print(f"resumed from {resume_from} at step {state.step}", file=sys.stderr)
     checkpointer.install_signal_handlers()

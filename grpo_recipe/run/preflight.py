@@ -111,13 +111,14 @@ def check_output_dir(output_dir: str) -> None:
 
 def final_model_bytes(folder: Path, params: int, cfg: Config) -> int:
     """What the end of a run writes, at most: the weights as trained (fp32; with LoRA the adapter, small, and a
-    merged copy when asked), the model folder's other files (tokenizer, config, chat template), safetensors
-    headers and the index, the run's metrics and completion logs, and a margin for the filesystem's blocks."""
+    merged copy when asked), the model folder's other files (tokenizer, config, chat template) twice (the final
+    folder's copy and its temporary), safetensors headers and the index, the run's metrics and completion logs,
+    and 1% for the filesystem's blocks."""
     weights = 4 * params * (cfg.save_merged if cfg.use_peft else 1)
     others = sum(f.stat().st_size for f in folder.iterdir()
                  if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5")))
     logs = cfg.max_steps * (4 << 10) + (cfg.max_steps * (64 << 10) if cfg.log_completions_steps else 0)
-    return weights + 2 * others + (8 << 20) + logs + (64 << 20)
+    return weights + 2 * others + (1 << 20) + logs + weights // 100
 
 
 def check_disk_space(cfg: Config, folder: Path | None, ds: dict) -> None:
