@@ -328,7 +328,7 @@ def test_real_vs_trl_smoke(tmp_path):
     r = written(tmp_path / "real_vs_trl.json")
     d = r["design"]
     assert d["smoke"] and d["trl_version"] == "1.16.0" and r["selection"]["pilot_gate_met"]
-    assert {(p["variant"], p["seed"]) for p in r["selection"]["pilots"]} == {("trl_mu1", 101), ("ours_mu1", 101)}
+    assert {(p["variant"], p["seed"]) for p in r["selection"]["pilots"]} == {("trl_mu1", 0), ("ours_mu1", 0)}
     assert set(r["variants"]) == set(d["variants"]) and r["complete"]
     for run in r["runs"]:  # the untrained point, then one per snapshot, each after its rollouts' steps
         assert [c["rollouts"] for c in run["curve"]] == [0, *d["eval_points"]], run["curve"]
