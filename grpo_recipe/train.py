@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from grpo_recipe.algo.buffer import RolloutBuffer
 from grpo_recipe.algo.clock import Timer
+from grpo_recipe.algo.entropy import EntropyControl
 from grpo_recipe.algo.loss import batch_normalized, group_advantages, normalized_sum, zero_std_groups
 from grpo_recipe.algo.reuse import ReuseController
 from grpo_recipe.algo.update import NonFiniteError, StepResult, check_finite, train_on_rollout
@@ -92,6 +93,7 @@ class LoopState:
     stats: dict | None = None  # its reward and completion statistics (part of each of its steps' records)
     samples: list | None = None  # rank 0, log_completions_steps: a few of its completions with rewards, advantages
     reuse: dict | None = None  # the adaptive-reuse controller's state
+    entropy: dict | None = None  # use_adaptive_entropy: the entropy coefficient's state
     generator: dict | None = None  # generation_ranks, max_staleness 1: the next rollout, received ahead of its turn
     old_logp_forwards: int = 0  # cumulative, logged with every step
     prompts_truncated: int = 0  # cumulative, logged with every step
@@ -315,9 +317,11 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
     cfg, ckpt, timer, out = run.cfg, run.checkpointer, Timer(), Path(run.cfg.output_dir)
     logger = MetricsLogger(out, run.rank, cfg.max_steps, initial_step=state.step, disable_tqdm=cfg.disable_tqdm,
                            trackers=lambda: build_trackers(cfg.report_to, out, cfg))
-    reuse = ReuseController(cfg)
+    reuse, entropy = ReuseController(cfg), EntropyControl.from_config(cfg)
     if state.reuse is not None:
         reuse.load_state_dict(state.reuse)
+    if state.entropy is not None:
+        entropy.load_state_dict(state.entropy)
     records, last, last_cpu = [], time.perf_counter(), time.process_time()
     if ckpt.stop_requested():  # a signal during start-up: nothing trained since the checkpoint resumed from
         logger.close()
@@ -337,7 +341,8 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
                           file=sys.stderr)
                 return records, True
             state.prompts_truncated += state.stats.pop("prompts_truncated")
-        for done in train_on_rollout(run.engine, run.ref, state.buffer, cfg, after=state.position, timer=timer):
+        for done in train_on_rollout(run.engine, run.ref, state.buffer, cfg, after=state.position, timer=timer,
+                                     entropy=entropy):
             state.step += 1
             # a non-finite loss or gradient norm: stop, or (skip_nonfinite_steps) count a step DeepSpeed skipped
             state.nonfinite_steps += check_finite(done, state.step, state.nonfinite_steps, cfg.skip_nonfinite_steps)
@@ -349,7 +354,7 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             records.append(record | reuse.status())
             last_step = (cfg.max_passes - 1, cfg.optimizer_steps_per_pass - 1)  # skipped passes count as done
             state.position = last_step if skip_rest else (done.pass_index, done.step_index)
-            state.reuse = reuse.state_dict()
+            state.reuse, state.entropy = reuse.state_dict(), entropy.state_dict()
             report(run, state, logger, records[-1])
             # an evaluation's time is its own (eval/time_s), not the next step's
             last, last_cpu = time.perf_counter(), time.process_time()

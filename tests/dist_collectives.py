@@ -22,6 +22,8 @@ def main():
            "every_true": c.every_rank(True), "any_false": c.any_rank(False),
            "no_error": c.first_error(None), "error": c.first_error(f"bad {rank}" if rank >= world - 1 else None),
            "broadcast": c.broadcast_object({"from": rank}), "gathered": c.all_gather_object(rank * 2),
+           # ranks holding different numbers of values (rank r: r + 1 of them)
+           "values": c.all_gather_values(torch.arange(rank + 1, dtype=torch.float32) + 10 * rank).tolist(),
            "active": c.active(), "collective_device": str(c.collective_device())}
     c.barrier()
     parts = c.all_gather_object(got)

@@ -146,7 +146,7 @@ def main():
                              "loss": torch.tensor([o["loss"] for o in outs], dtype=torch.float64),
                              "extra": {k: torch.tensor([o.get(k, float("nan")) for o in outs], dtype=torch.float64)
                                        for k in ("is_ratio_mean", "is_zeroed_fraction", "off_policy_masked_fraction",
-                                                 "clip_ratio_high")},
+                                                 "clip_ratio_high", "high_entropy_fraction", "entropy_coef")},
                              "zero": {"stage": engine.zero_optimization_stage(),
                                       "offload_param": engine.zero_offload_param() is not None,
                                       "offload_optimizer": engine.zero_use_cpu_optimizer()}}

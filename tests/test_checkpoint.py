@@ -317,3 +317,26 @@ def test_a_checkpoint_from_before_trls_loss_fields_resumes_only_into_the_behavio
     assert as_today({**base, "generation_backend": "vllm"})["vllm_importance_sampling_correction"] is False
     assert as_today({**base, "beta": 0.1})["use_bias_correction_kl"] is False
     assert as_today(base) == Config().to_dict()  # an hf run without beta: nothing it trained with changed
+
+
+@pytest.mark.slow
+def test_adaptive_entropy_and_the_top_entropy_mask_resume_exactly(tmp_path):
+    """The adaptive entropy coefficient is part of where the loop is: a run resumed from step 4 of 6 (mid
+    rollout, mu = 4) ends with the uninterrupted run's weights and records, entropy_coef included."""
+    run = [*RUN[:RUN.index("--num_iterations")], "--num_iterations", "4", "--max_steps", "6", "--save_steps", "2",
+           "--save_total_limit", "0", "--disable_tqdm", "true", "--use_adaptive_entropy", "true",
+           "--entropy_coef", "0.01", "--entropy_coef_delta", "0.01", "--entropy_target", "100",
+           "--top_entropy_quantile", "0.5"]
+    ref = tmp_path / "ref"
+    torchrun(2, [*run, "--output_dir", str(ref)])
+    records = read_jsonl(ref / "metrics.jsonl")
+    assert [round(r["entropy_coef"], 6) for r in records] == [0.02, 0.03, 0.04, 0.05, 0.06, 0.07]
+    assert all(0.4 < r["high_entropy_fraction"] < 0.6 for r in records)
+    out = tmp_path / "out"
+    shutil.copytree(ref, out, ignore=lambda folder, names: [
+        n for n in names if n in ("step-00000006", "final", "run.lock")])
+    proc = torchrun(2, [*run, "--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+    assert "step-00000004 at step 4" in proc.stderr, proc.stderr[-3000:]
+    wa, wb = weights(ref), weights(out)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert comparable(read_jsonl(out / "metrics.jsonl")) == comparable(records)

@@ -100,7 +100,8 @@ def expected(world: int) -> dict:
             "named_a": float(sum(range(world))), "named_b": [[float(world)] * 2] * 2, "named_b_dtype": "torch.float64",
             "any_last": True, "every_last": world == 1, "every_true": True, "any_false": False,
             "no_error": None, "error": [world - 1, f"bad {world - 1}"], "broadcast": {"from": 0},
-            "gathered": [2 * r for r in range(world)], "collective_device": "cpu"}
+            "gathered": [2 * r for r in range(world)], "collective_device": "cpu",
+            "values": [float(10 * r + i) for r in range(world) for i in range(r + 1)]}
 
 
 def test_helpers_on_two_gloo_ranks(tmp_path):

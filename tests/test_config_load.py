@@ -50,9 +50,8 @@ def test_a_trl_style_config_loads_or_says_what_to_use(tmp_path):
         load_config(["--config", str(trl), "--loss_type", "bnpo"])
     cfg = load_config(["--config", str(trl), "--vllm_importance_sampling_cap", "2.5"])
     assert cfg.vllm_importance_sampling_clip_max == 2.5
-    with pytest.raises(ConfigError, match=r"^top_entropy_quantile: 0.2 is not available here: the quantile "
-                                          r"would be taken over each micro-batch"):
-        load_config(["--config", str(trl), "--top_entropy_quantile", "0.2"])
+    cfg = load_config(["--config", str(trl), "--top_entropy_quantile", "0.2", "--use_adaptive_entropy", "true"])
+    assert (cfg.top_entropy_quantile, cfg.use_adaptive_entropy) == (0.2, True)  # TRL's names are the recipe's
     with pytest.raises(ConfigError, match=r"^vllm_tis_cap: replaced by TRL's fields: vllm_importance_sampling_mode: "
                                           r"token_truncate with vllm_importance_sampling_clip_max: 2.0$"):
         load_config(["--config", str(trl), "--vllm_tis_cap", "2.0"])
@@ -68,6 +67,10 @@ def test_a_trl_style_config_loads_or_says_what_to_use(tmp_path):
     (["--sapo_temperature_neg", "0"], "sapo_temperature_neg: must be > 0"),
     (["--off_policy_mask_threshold", "-1"], "off_policy_mask_threshold: must be > 0"),
     (["--entropy_coef", "-0.1"], "entropy_coef: must be >= 0"),
+    (["--top_entropy_quantile", "1.5"], "top_entropy_quantile: must be in [0, 1]"),
+    (["--use_adaptive_entropy", "true", "--entropy_coef_min", "0.5", "--entropy_coef_max", "0.1"],
+     "entropy_coef_min, entropy_coef_max: need 0 <= min <= max"),
+    (["--use_adaptive_entropy", "true", "--entropy_coef_delta", "-1"], "entropy_coef_delta: must be >= 0"),
     (["--generation_backend", "vllm", "--vllm_importance_sampling_mode", "seq_mask"],
      "vllm_importance_sampling_mode: must be one of token_truncate, token_mask, sequence_truncate, sequence_mask"),
     (["--generation_backend", "vllm", "--vllm_importance_sampling_clip_max", "0.5"],

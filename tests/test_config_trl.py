@@ -56,8 +56,6 @@ def test_every_trl_field_at_trls_default_loads_or_is_refused_with_its_reason():
 @pytest.mark.parametrize("name,value,fragment", [
     ("trust_remote_code", "true", "models are loaded without remote code"),
     ("sync_ref_model", "true", "the reference model is not synced to the policy"),
-    ("top_entropy_quantile", "0.2", "the quantile would be taken over each micro-batch"),
-    ("use_adaptive_entropy", "true", "the entropy coefficient is fixed"),
     ("max_tool_calling_iterations", "5", "multi-turn tool calling is not implemented here"),
     ("multi_objective_aggregation", "sum_then_average", "must be sum_then_normalize or normalize_then_sum"),
     ("generation_batch_size", "64", "use those fields"),

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_recipe.algo.loss import LossSpec, loss_normalizers, policy_loss, sampler_is_weights
+from grpo_recipe.algo.entropy import EntropyControl
+from grpo_recipe.algo.loss import (LossSpec, high_entropy_mask, loss_normalizers, policy_loss, quantile,
+                                   sampler_is_weights)
 
 trl = pytest.importorskip("trl", reason="trl not installed (bash launch/setup_venv.sh test,bench-trl)") \
     if not os.environ.get("GRPO_REQUIRE_TRL") else __import__("trl")
@@ -31,6 +33,9 @@ class Accelerator:
     gather_for_metrics = gather
 
     def reduce(self, x, reduction="sum"):
+        return x
+
+    def pad_across_processes(self, x, dim=0, pad_index=0):
         return x
 
 
@@ -62,8 +67,8 @@ def trl_ratio(old, sampling, mask, mode, lo, hi):
     return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
-def trl_loss(t, opts, logp, entropy, is_ratio=None, with_sampling=False):
-    """TRL's own _compute_loss on these tensors, called on a stand-in for the trainer's state."""
+def trl_trainer(opts, logp, entropy, is_ratio=None):
+    """A stand-in for TRL's trainer state that its own _compute_loss runs on."""
     spec = dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, importance_sampling_level="token", delta=None,
                 sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, off_policy_mask_threshold=None, beta=0.0,
                 use_bias_correction_kl=True, entropy_coef=0.0, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
@@ -72,19 +77,36 @@ def trl_loss(t, opts, logp, entropy, is_ratio=None, with_sampling=False):
     me = SimpleNamespace(
         loss_type=trl_loss_type, epsilon_low=spec["epsilon"], epsilon_high=spec["epsilon_high"],
         importance_sampling_level=spec["importance_sampling_level"], beta=spec["beta"],
-        off_policy_mask_threshold=spec["off_policy_mask_threshold"], top_entropy_quantile=1.0,
+        off_policy_mask_threshold=spec["off_policy_mask_threshold"],
+        top_entropy_quantile=spec.get("top_entropy_quantile", 1.0),
         use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
         args=SimpleNamespace(delta=spec["delta"], sapo_temperature_pos=spec["sapo_temperature_pos"],
                              sapo_temperature_neg=spec["sapo_temperature_neg"],
                              use_bias_correction_kl=spec["use_bias_correction_kl"], steps_per_generation=1,
+                             entropy_target=spec.get("entropy_target", 0.2),
+                             entropy_coef_delta=spec.get("entropy_coef_delta", 0.005),
+                             entropy_coef_min=spec.get("entropy_coef_min", 0.0),
+                             entropy_coef_max=spec.get("entropy_coef_max", 1.0),
                              **{k: spec[k] for k in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                                                      "vespo_lambda_neg")}),
         get_gamma_weights=GRPOTrainer.get_gamma_weights,
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=Accelerator(),
         max_completion_length=L, aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
-        _entropy_bonus_enabled=spec["entropy_coef"] != 0.0, entropy_coef=spec["entropy_coef"],
-        use_adaptive_entropy=False, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None))
+        _entropy_bonus_enabled=spec["entropy_coef"] != 0.0 or spec.get("use_adaptive_entropy", False),
+        entropy_coef=spec["entropy_coef"], use_adaptive_entropy=spec.get("use_adaptive_entropy", False),
+        _last_world_entropy=math.inf, _entropy_window_stats=None, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (me.logp, me.entropy, None))
+    me.logp, me.entropy = logp, entropy
+    me.get_high_entropy_mask = lambda *a: GRPOTrainer.get_high_entropy_mask(me, *a)
+    return me
+
+
+def trl_loss(t, opts, logp, entropy, is_ratio=None, with_sampling=False, me=None):
+    """TRL's own _compute_loss on these tensors, called on a stand-in for the trainer's state (`me`: one kept
+    across calls, for adaptive entropy)."""
+    if me is None:
+        me = trl_trainer(opts, logp, entropy, is_ratio)
+    me.logp, me.entropy = logp, entropy
     inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": t["mask"],
               "advantages": t["adv"], "old_per_token_logps": t["old"], "ref_per_token_logps": t["ref"],
@@ -96,8 +118,10 @@ def trl_loss(t, opts, logp, entropy, is_ratio=None, with_sampling=False):
     return GRPOTrainer._compute_loss(me, None, inputs)
 
 
-def our_loss(t, opts, logp, entropy, is_weights=None, with_sampling=False):
+def our_loss(t, opts, logp, entropy, is_weights=None, with_sampling=False, entropy_coef=None):
     spec = dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28) | opts
+    if entropy_coef is not None:  # an adaptive coefficient's value at this step
+        spec["entropy_coef"] = entropy_coef
     s = LossSpec(spec["loss_type"], spec["epsilon"], spec["epsilon_high"],
                  spec.get("importance_sampling_level", "token"), spec.get("delta"),
                  spec.get("sapo_temperature_pos", 1.0), spec.get("sapo_temperature_neg", 1.05),
@@ -109,10 +133,15 @@ def our_loss(t, opts, logp, entropy, is_weights=None, with_sampling=False):
     seqs = (mask.sum(-1) > 0).sum().reshape(1, 1)
     norm = loss_normalizers(s.loss_type, mask.sum().reshape(1, 1), seqs, 1).item()
     tokens = loss_normalizers("step_token_mean", mask.sum().reshape(1, 1), seqs, 1).item()
+    keep = None
+    if spec.get("top_entropy_quantile", 1.0) < 1.0:  # as update.high_entropy_masks, on one rank
+        threshold = quantile(entropy.detach()[mask.bool()], 1.0 - spec["top_entropy_quantile"])
+        keep = high_entropy_mask(entropy.detach(), mask, threshold)
+        tokens = keep.sum().clamp(min=1.0).item()
     loss, _ = policy_loss(logp, t["old"], t["adv"], mask, spec=s, normalizer=norm, max_completion_length=L,
                           ref_logp=t["ref"], is_weights=is_weights,
                           sampling_logp=t["sampling"] if with_sampling else None, entropy=entropy,
-                          entropy_normalizer=tokens)
+                          entropy_normalizer=tokens, entropy_mask=keep)
     return loss
 
 
@@ -165,6 +194,11 @@ CASES = {
     "vespo_shapes": {"loss_type": "vespo", "vespo_k_pos": 1.0, "vespo_lambda_pos": 1.5, "vespo_k_neg": 4.0,
                      "vespo_lambda_neg": 0.5},
     "vespo_kl_entropy": {"loss_type": "vespo", "beta": 0.04, "entropy_coef": 0.02},
+    "top_entropy_0.2": {"top_entropy_quantile": 0.2},
+    "top_entropy_0.5_bonus": {"top_entropy_quantile": 0.5, "entropy_coef": 0.05},
+    "top_entropy_0_grpo_kl": {"loss_type": "grpo", "top_entropy_quantile": 0.0, "beta": 0.04},
+    "top_entropy_0.8_cispo": {"loss_type": "cispo", "epsilon_high": 5.0, "top_entropy_quantile": 0.8},
+    "top_entropy_0.3_vespo": {"loss_type": "vespo", "top_entropy_quantile": 0.3, "entropy_coef": 0.02},
 }
 
 
@@ -223,3 +257,51 @@ def test_on_policy_step_equals_trls(opts):
         loss.backward()
         out.append((loss.detach(), grad(logp) * t["mask"], grad(entropy) * t["mask"]))
     check(out[1], out[0])
+
+
+@pytest.mark.parametrize("opts", [
+    {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 1.0, "entropy_coef_delta": 0.02},
+    {"use_adaptive_entropy": True, "entropy_coef": 0.0, "entropy_target": 1.2, "entropy_coef_max": 0.03,
+     "entropy_coef_delta": 0.02, "top_entropy_quantile": 0.5},
+], ids=["all_tokens", "top_half_capped"])
+def test_adaptive_entropy_follows_trls_controller_step_by_step(opts):
+    """Six optimizer steps whose entropies cross the target both ways: each step's loss and gradients, and the
+    coefficient after it, equal TRL's (its trainer state kept across the steps)."""
+    me, control = None, EntropyControl.from_config(SimpleNamespace(
+        entropy_coef=opts["entropy_coef"], use_adaptive_entropy=True, entropy_target=opts["entropy_target"],
+        entropy_coef_delta=opts["entropy_coef_delta"], entropy_coef_min=0.0,
+        entropy_coef_max=opts.get("entropy_coef_max", 1.0)))
+    applied = []
+    for step, scale in enumerate([3.0, 0.5, 0.4, 2.5, 0.3, 0.6]):  # the tokens' entropies drift below and above
+        t = tensors(step)
+        t["entropy"] = t["entropy"] * scale
+        out = []
+        for side in ("trl", "ours"):
+            logp = t["logp"].clone().requires_grad_(True)
+            entropy = t["entropy"].clone().requires_grad_(True)
+            if side == "trl":
+                me = me or trl_trainer(opts, logp, entropy)
+                loss = trl_loss(t, opts, logp, entropy, me=me)
+            else:
+                applied.append(control.applied())
+                loss = our_loss(t, opts, logp, entropy, entropy_coef=control.applied())
+                keep = t["mask"]
+                if opts.get("top_entropy_quantile", 1.0) < 1.0:
+                    keep = high_entropy_mask(t["entropy"], t["mask"],
+                                             quantile(t["entropy"][t["mask"].bool()], 1 - opts["top_entropy_quantile"]))
+                control.step_done(((t["entropy"] * keep).sum() / keep.sum()).item())
+            loss.backward()
+            out.append((loss.detach(), grad(logp) * t["mask"], grad(entropy) * t["mask"]))
+        check(out[1], out[0])
+        assert control.coef == pytest.approx(me.entropy_coef, abs=1e-12), step
+        assert control.last_entropy == pytest.approx(me._last_world_entropy, rel=1e-6)
+    assert 0.0 in applied and any(a > 0 for a in applied)  # the bonus was off on some steps and on on others
+
+
+def test_quantile_equals_torchs_and_keeps_the_top_fraction():
+    values = torch.rand(1001, generator=torch.Generator().manual_seed(3)) * 4.0
+    for q in (0.0, 0.2, 0.5, 0.77, 0.999, 1.0):
+        assert quantile(values, q).item() == torch.quantile(values, q).item()
+    mask = torch.ones(1, 1001)
+    kept = high_entropy_mask(values.unsqueeze(0), mask, quantile(values, 0.8))
+    assert int(kept.sum()) == 201  # the top fifth, the threshold's own token included

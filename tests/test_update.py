@@ -238,6 +238,11 @@ LOSS_OPTIONS = {
     "grpo_kl_bias_corrected": {"loss_type": "grpo", "beta": 0.1, "use_bias_correction_kl": True},
     "luspo_sequence": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
     "vespo": {"loss_type": "vespo", "learning_rate": 0.05},  # a step large enough for w to leave 1
+    "dapo_top_entropy": {"top_entropy_quantile": 0.3},
+    "dapo_top_entropy_bonus": {"top_entropy_quantile": 0.6, "entropy_coef": 0.05},
+    # a target above any entropy: the bonus applies from the second step on, growing by delta
+    "dapo_adaptive_entropy": {"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 100.0,
+                              "entropy_coef_delta": 0.05},
     **{f"dapo_{mode}": {"generation_backend": "vllm", "vllm_importance_sampling_mode": mode, "sampling_logps": True,
                         "vllm_importance_sampling_clip_min": 0.5}
        for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
@@ -246,6 +251,7 @@ LOSS_OPTIONS = {
 
 # At ratio 1 (a rollout's first pass, on-policy) these have exactly dapo's gradient, -A grad logp, and its normalizer.
 SAME_ON_POLICY = ("cispo", "dapo_delta", "vespo")  # vespo: phi(1) = 1
+SAME_AT_ONE_STEP = SAME_ON_POLICY + ("dapo_adaptive_entropy",)  # adaptive: no entropy measured before step 1
 
 
 @pytest.mark.slow
@@ -268,13 +274,17 @@ def test_trl_loss_options_give_the_same_update_on_1x4_and_2x2_splits(tmp_path, m
     for name in LOSS_OPTIONS:
         base = "dapo_fast" if "learning_rate" in LOSS_OPTIONS[name] else "dapo"
         moved = max_diff(got1[name]["state"], got1[base]["state"])
-        if mu == 1 and name in SAME_ON_POLICY:
-            assert moved < 1e-6, f"{name}: at ratio 1 its gradient is dapo's, yet the update differs by {moved}"
+        if mu == 1 and name in SAME_AT_ONE_STEP:
+            assert moved < 1e-6, f"{name}: at one step its gradient is dapo's, yet the update differs by {moved}"
         else:
             assert moved > 1e-6, f"{name} (mu = {mu}) trained exactly as plain dapo: the option did nothing"
     assert (got1["dapo_token_mask"]["extra"]["is_zeroed_fraction"] > 0).all()
     assert (got1["dapo_token_truncate"]["extra"]["is_zeroed_fraction"] == 0).all()
     assert (got1["dapo_off_policy_mask"]["extra"]["off_policy_masked_fraction"] > 0).all()
+    kept = got1["dapo_top_entropy"]["extra"]["high_entropy_fraction"]
+    assert ((kept > 0.25) & (kept < 0.4)).all(), kept  # about the top 30% of the step's tokens (ties aside)
+    coef = got1["dapo_adaptive_entropy"]["extra"]["entropy_coef"]
+    torch.testing.assert_close(coef, torch.tensor([0.05 * (k + 2) for k in range(mu)], dtype=torch.float64))
 
 
 @pytest.mark.slow

@@ -375,6 +375,21 @@ def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logp:
     return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
+def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile's linear interpolation for a 1-D tensor of any size (torch.quantile stops at 2^24
+    elements: fewer than the completion tokens of one large optimizer step over all ranks)."""
+    v = values.float().sort().values
+    rank = torch.tensor(q, dtype=v.dtype) * (v.numel() - 1)  # in the values' dtype, as torch.quantile computes it
+    below = int(rank.floor().item())
+    return torch.lerp(v[below], v[min(below + 1, v.numel() - 1)], rank - below)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, threshold: torch.Tensor | float) -> torch.Tensor:
+    """[B, C] float mask of the completion tokens whose entropy is at least `threshold` (top_entropy_quantile:
+    only these tokens carry the policy loss and the entropy bonus; "Beyond the 80/20 Rule")."""
+    return ((entropy * mask >= threshold) & mask.bool()).to(mask.dtype)
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || ref), per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
     d = ref_logp - logp
@@ -476,14 +491,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 loss_type: str | None = None, eps_low: float = 0.2, eps_high: float = 0.2, beta: float = 0.0,
                 ref_logp: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
                 sampling_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-                entropy_normalizer: float | None = None) -> tuple[torch.Tensor, dict]:
+                entropy_normalizer: float | None = None,
+                entropy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The GRPO loss of one micro-batch, and detached statistics for logging (TRL's `_compute_loss` order).
 
     `spec` says which loss (or the loose `loss_type`, `eps_*`, `beta` of a plain clipped loss). The surrogate is
     multiplied by the off-policy mask (needs `sampling_logp`, the sampler's log-probs; `old_logp` stands in where it
-    has none), then by `is_weights` (see `sampler_is_weights`), then the k3 term is added, then aggregated per the
-    loss type. With `spec.entropy_coef`, `entropy` (with its gradient) enters as -coef x the step's mean token
-    entropy: sum over this micro-batch / `entropy_normalizer` (the step's tokens, all ranks, / world size).
+    has none), then by `entropy_mask` (`high_entropy_mask`), then by `is_weights` (see `sampler_is_weights`), then
+    the k3 term is added, then aggregated per the loss type. With `spec.entropy_coef`, `entropy` (with its
+    gradient) enters as -coef x the step's mean token entropy over the tokens `entropy_mask` keeps: sum over this
+    micro-batch / `entropy_normalizer` (those tokens in the step, all ranks, / world size).
     The statistics come from per-token ratios whatever the importance-sampling level: the reuse rule's KL.
     """
     if spec is None:
@@ -504,6 +521,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                                spec.off_policy_mask_threshold)
         per_token = per_token * keep
         stats["off_policy_masked"] = ((1.0 - keep) * (mask.sum(-1, keepdim=True) > 0)).sum()
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
     if is_weights is not None and spec.loss_type != "vespo":
         per_token = per_token * is_weights
     if spec.beta > 0.0:
@@ -514,5 +533,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         per_token = per_token + spec.beta * kl
     loss = reduce_loss(per_token, mask, spec.loss_type, normalizer, max_completion_length)
     if spec.entropy_coef != 0.0:
-        loss = loss - spec.entropy_coef * (entropy * mask).sum() / entropy_normalizer
+        kept = mask if entropy_mask is None else mask * entropy_mask
+        loss = loss - spec.entropy_coef * (entropy * kept).sum() / entropy_normalizer
     return loss, stats

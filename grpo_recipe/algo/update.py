@@ -5,6 +5,7 @@ all train through it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,15 +15,16 @@ import torch.distributed as dist
 
 from grpo_recipe.algo.buffer import RolloutBuffer
 from grpo_recipe.algo.clock import Timer
-from grpo_recipe.algo.loss import (LossSpec, head_token_logps, loss_normalizers, policy_loss, sampler_is_weights,
-                                   tied_embedding, token_logps)
+from grpo_recipe.algo.entropy import EntropyControl
+from grpo_recipe.algo.loss import (LossSpec, head_token_logps, high_entropy_mask, loss_normalizers, policy_loss,
+                                   quantile, sampler_is_weights, tied_embedding, token_logps)
 from grpo_recipe.algo.mlp import gated_down, gated_mlps
 from grpo_recipe.config.schema import Config
-from grpo_recipe.dist.collectives import all_reduce, all_reduce_named, device
+from grpo_recipe.dist.collectives import all_gather_values, all_reduce, all_reduce_named, device
 
 # per-rank sums of one optimizer step, all-reduced together (this order is the all-reduce's layout)
 STEP_SUMS = ("loss", "clip_low", "clip_high", "clip_region", "tokens", "kl", "ratio", "approx_kl", "is_ratio",
-             "entropy", "is_zeroed", "off_policy_masked", "sequences")
+             "entropy", "is_zeroed", "off_policy_masked", "sequences", "kept_entropy", "kept_tokens")
 
 
 def loss_spec(cfg: Config) -> LossSpec:
@@ -155,15 +157,16 @@ def _to_device(mb: dict) -> dict:
 
 
 def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[int, int] | None = None,
-                     timer: Timer | None = None) -> Iterator[StepResult]:
+                     timer: Timer | None = None, entropy: EntropyControl | None = None) -> Iterator[StepResult]:
     """Every optimizer step this rollout feeds: mu passes, each split into optimizer_steps_per_pass steps.
 
     A fresh rollout (`after` None) first gets the old log-probs that its first pass cannot capture for itself
     (see buffer.py); `after` = (pass, step) of the last step done resumes a rollout mid-cycle, whose buffer
     already holds them. A caller that stops iterating (adaptive reuse) skips the remaining steps. Timer names:
-    old_logp, train, and inside train: forward, backward, optimizer.
+    old_logp, train, and inside train: forward, backward, optimizer. `entropy`: the entropy bonus's coefficient,
+    updated in place by each step (a fixed entropy_coef when None).
     """
-    timer = timer or Timer()
+    timer, entropy = timer or Timer(), entropy or EntropyControl.from_config(cfg)
     plan = buf.plan(cfg.max_passes, cfg.optimizer_steps_per_pass, cfg.per_device_train_batch_size)
     forwards = 0
     if after is None:
@@ -178,7 +181,8 @@ def train_on_rollout(engine, ref, buf: RolloutBuffer, cfg: Config, after: tuple[
                 # Samples of the first step of the first pass see the policy that sampled them: their old
                 # log-probs are that step's own forward, captured for the later passes.
                 stats = optimizer_step(engine, ref, buf, micro_batches, norms[p, s].tolist(), cfg,
-                                       capture_old_logps=cfg.needs_old_logps and (p, s) == (0, 0), timer=timer)
+                                       capture_old_logps=cfg.needs_old_logps and (p, s) == (0, 0), timer=timer,
+                                       entropy_control=entropy)
             yield StepResult(p, s, s == len(steps) - 1, stats, forwards, applied=engine.was_step_applied())
             forwards = 0
 
@@ -205,21 +209,53 @@ def normalizers(buf: RolloutBuffer, plan: list, cfg: Config) -> torch.Tensor:
     return torch.stack([policy, tokens], dim=-1)  # [passes, steps, 2]: the policy loss's, the entropy bonus's
 
 
+@torch.no_grad()
+def high_entropy_masks(engine, buf: RolloutBuffer, micro_batches: list[torch.Tensor], cfg: Config) -> list:
+    """top_entropy_quantile: per micro-batch, the mask of the completion tokens whose entropy under the current
+    policy is in the top quantile of the whole optimizer step's tokens over all ranks. One no-grad forward per
+    micro-batch (the weights do not change within a step: these are the entropies the step's own forwards see).
+    The threshold does not depend on the micro-batch split; TRL's is taken per micro-batch."""
+    entropies = []
+    for idx in micro_batches:
+        mb = _to_device(buf.micro_batch(idx))
+        mask = mb["completion_mask"]
+        entropies.append((forward_logps(engine, mb["input_ids"], mb["attention_mask"], mask.shape[1],
+                                        cfg.temperature, with_entropy=True)[1], mask))
+    every = all_gather_values(torch.cat([h[m.bool()] for h, m in entropies]).float())
+    if every.numel() == 0:
+        return [torch.zeros_like(m) for _, m in entropies]
+    threshold = quantile(every, 1.0 - cfg.top_entropy_quantile)
+    return [high_entropy_mask(h, m, threshold) for h, m in entropies]
+
+
 def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizers: list[float],
-                   cfg: Config, capture_old_logps: bool, timer: Timer) -> dict:
+                   cfg: Config, capture_old_logps: bool, timer: Timer,
+                   entropy_control: EntropyControl | None = None) -> dict:
     """Backward over each micro-batch, then one optimizer step. Returns step statistics over all ranks.
-    `normalizers`: the step's (policy loss, entropy bonus) normalizers."""
+    `normalizers`: the step's (policy loss, entropy bonus) normalizers; `entropy_control`: the bonus's
+    coefficient (updated after the step)."""
     sums = {name: torch.zeros((), device=device()) for name in STEP_SUMS}
     is_max = torch.zeros(1, device=device())
-    spec, correct = loss_spec(cfg), cfg.corrects_sampler
+    control = entropy_control or EntropyControl.from_config(cfg)
+    spec, correct = dataclasses.replace(loss_spec(cfg), entropy_coef=control.applied()), cfg.corrects_sampler
     lr = engine.get_lr()[0]  # what this step's update uses (the scheduler steps at its accumulation boundary)
-    for idx in micro_batches:
+    keep, bonus_normalizer = [None] * len(micro_batches), normalizers[1]
+    if cfg.top_entropy_quantile < 1.0:
+        with timer("forward"):
+            keep = high_entropy_masks(engine, buf, micro_batches, cfg)
+        # the bonus is a mean over the tokens kept, in the whole step over all ranks
+        kept = all_reduce(sum(k.sum() for k in keep).reshape(1).to(device()))
+        bonus_normalizer = kept.clamp(min=1.0).item() / dist.get_world_size()
+    for idx, entropy_mask in zip(micro_batches, keep):
         mb = _to_device(buf.micro_batch(idx))
         mask, c_len = mb["completion_mask"], mb["completion_mask"].shape[1]
         with timer("forward"):
             logp, entropy = forward_logps(engine, mb["input_ids"], mb["attention_mask"], c_len, cfg.temperature,
                                           with_entropy=True, entropy_grad=spec.entropy_coef != 0.0)
+        kept = mask if entropy_mask is None else mask * entropy_mask
         sums["entropy"] += (entropy.detach() * mask).sum()
+        sums["kept_entropy"] += (entropy.detach() * kept).sum()
+        sums["kept_tokens"] += kept.sum()
         # Samples the policy has not been updated on yet: their old log-probs are this very forward.
         fresh = ~mb["has_old_logps"]
         old = torch.where(fresh.unsqueeze(-1), logp.detach(), mb["old_logps"])
@@ -240,7 +276,7 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
         loss, stats = policy_loss(logp, old, mb["advantages"], mask, spec=spec, normalizer=normalizers[0],
                                   max_completion_length=cfg.max_completion_length, ref_logp=ref_logp,
                                   is_weights=is_weights, sampling_logp=sampling, entropy=entropy,
-                                  entropy_normalizer=normalizers[1])
+                                  entropy_normalizer=bonus_normalizer, entropy_mask=entropy_mask)
         with timer("backward"):
             engine.backward(loss, scale_wrt_gas=False)  # the normalizer already accounts for accumulation
         with timer("optimizer"):
@@ -268,6 +304,12 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
            "learning_rate": lr}
     if cfg.beta > 0.0:
         out["kl"] = (sums["kl"] / tokens).item()
+    if cfg.top_entropy_quantile < 1.0:  # the tokens that carried the policy loss
+        out["high_entropy_fraction"] = (sums["kept_tokens"] / tokens).item()
+    # adaptive entropy: this step's entropy over the tokens the loss kept decides the next step's coefficient
+    control.step_done((sums["kept_entropy"] / sums["kept_tokens"].clamp(min=1.0)).item())
+    if control.enabled:
+        out["entropy_coef"] = control.coef
     if correct:  # before truncation or masking: how far the sampler drifted from the trainer, per token
         out["is_ratio_mean"], out["is_ratio_max"] = (sums["is_ratio"] / tokens).item(), is_max.item()
         out["is_zeroed_fraction"] = (sums["is_zeroed"] / tokens).item()  # *_mask modes: tokens given weight 0

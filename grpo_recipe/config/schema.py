@@ -134,7 +134,19 @@ class Config:
                                                   "sampling policy exceeds this (DeepSeek-V3.2); null = off")
     use_bias_correction_kl: bool = opt(True, "with beta > 0: multiply the k3 term by the importance ratio (the "
                                              "unbiased reverse-KL gradient)")
-    entropy_coef: float = opt(0.0, "entropy bonus: subtract coef x the mean token entropy of the optimizer step")
+    entropy_coef: float = opt(0.0, "entropy bonus: subtract coef x the mean token entropy of the optimizer step "
+                                    "(use_adaptive_entropy: the starting coefficient)")
+    use_adaptive_entropy: bool = opt(False, "adapt entropy_coef each optimizer step (Skywork-OR1): up by "
+                                            "entropy_coef_delta while the entropy is at most entropy_target, down "
+                                            "otherwise; applied only while it is at most the target")
+    entropy_coef_min: float = opt(0.0, "use_adaptive_entropy: the coefficient's lower bound")
+    entropy_coef_max: float = opt(1.0, "use_adaptive_entropy: the coefficient's upper bound")
+    entropy_coef_delta: float = opt(0.005, "use_adaptive_entropy: the coefficient's change per optimizer step")
+    entropy_target: float = opt(0.2, "use_adaptive_entropy: the mean token entropy (nats) below which the bonus "
+                                     "applies, over the tokens the policy loss keeps")
+    top_entropy_quantile: float = opt(1.0, "keep in the policy loss only the completion tokens whose entropy is in "
+                                           "this top fraction of the optimizer step's tokens over all ranks (one "
+                                           "extra no-grad forward per micro-batch); 1.0 keeps all")
     beta: float = opt(0.0, "KL coefficient (k3) against the frozen reference model; 0 = no reference")
     loss_type: str = opt("dapo", "grpo, step_token_mean, dr_grpo, dapo, cispo, sapo, luspo or vespo (docs: the "
                                  "loss table)")
@@ -483,3 +495,10 @@ def validate_loss_options(cfg: Config) -> None:
     thr = cfg.off_policy_mask_threshold
     need(thr is None or thr > 0.0, f"off_policy_mask_threshold: must be > 0 (a mean KL), got {thr}")
     need(cfg.entropy_coef >= 0.0, f"entropy_coef: must be >= 0 (a bonus), got {cfg.entropy_coef}")
+    need(0.0 <= cfg.top_entropy_quantile <= 1.0,
+         f"top_entropy_quantile: must be in [0, 1] (the fraction of tokens kept), got {cfg.top_entropy_quantile}")
+    if cfg.use_adaptive_entropy:
+        need(0.0 <= cfg.entropy_coef_min <= cfg.entropy_coef_max,
+             f"entropy_coef_min, entropy_coef_max: need 0 <= min <= max, got {cfg.entropy_coef_min} and "
+             f"{cfg.entropy_coef_max}")
+        need(cfg.entropy_coef_delta >= 0.0, f"entropy_coef_delta: must be >= 0, got {cfg.entropy_coef_delta}")

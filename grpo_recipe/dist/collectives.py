@@ -103,6 +103,22 @@ def all_gather_object(obj, group=None) -> list:
     return parts
 
 
+def all_gather_values(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `values` (their lengths may differ), concatenated in rank order, on `values`' device."""
+    if not active():
+        return values
+    dev = collective_device()
+    count = torch.tensor([values.numel()], device=dev)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, count)
+    counts = [int(c.item()) for c in counts]
+    padded = torch.zeros(max(counts), dtype=values.dtype, device=dev)
+    padded[:values.numel()] = values.detach().reshape(-1)
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, counts)]).to(values.device)
+
+
 def first_error(error: str | None) -> tuple[int, str] | None:
     """(rank, message) of the lowest rank that reports an error, the same on every rank; None when none does.
     Every rank must call it: a rank that failed must not just leave (the others would hang in their next
