@@ -155,7 +155,10 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
     generator = build_generator(cfg, engine, tokenizer)
     state = LoopState()
     if resume_from is not None:
-        state = LoopState.from_state_dict(checkpointer.load(resume_from, engine))
+        saved = checkpointer.load(resume_from, engine)
+        state = LoopState.from_state_dict(saved)
+        if cfg.sync_ref_model:  # the mixed reference is where the loop is too
+            eng.load_reference_shard(ref, saved["reference"])
         generator.load_state_dict(state.generator)
         synced = generator.syncs
         generator.sync(engine)  # the checkpoint's weights, for a generator that started from the model folder
@@ -308,7 +311,8 @@ def save(run: Run, state: LoopState) -> None:
     state.generator = run.generator.state_dict()  # a rollout in flight is part of where the loop is
     state.weight_syncs = run.generator.syncs
     state.weights_synced = getattr(run.generator, "synced_step", None) == run.engine.global_steps
-    run.checkpointer.save(run.engine, state.step, state.state_dict())
+    synced_ref = {"reference": eng.reference_shard(run.ref)} if run.cfg.sync_ref_model else {}
+    run.checkpointer.save(run.engine, state.step, state.state_dict() | synced_ref)
 
 
 def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
@@ -347,6 +351,8 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             # a non-finite loss or gradient norm: stop, or (skip_nonfinite_steps) count a step DeepSpeed skipped
             state.nonfinite_steps += check_finite(done, state.step, state.nonfinite_steps, cfg.skip_nonfinite_steps)
             state.old_logp_forwards += done.old_logp_forwards
+            if cfg.sync_ref_model and state.step % cfg.ref_model_sync_steps == 0:  # TR-DPO
+                eng.mix_into_reference(run.ref, run.engine, cfg.ref_model_mixup_alpha)
             now, cpu = time.perf_counter(), time.process_time()
             record = step_record(run, state, done, timer, now - last, cpu - last_cpu)
             # reuse (grpo_recipe/algo/reuse.py): after a finished pass, maybe skip the rest of this rollout

@@ -340,3 +340,29 @@ def test_adaptive_entropy_and_the_top_entropy_mask_resume_exactly(tmp_path):
     wa, wb = weights(ref), weights(out)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert comparable(read_jsonl(out / "metrics.jsonl")) == comparable(records)
+
+
+@pytest.mark.slow
+def test_a_synced_reference_is_part_of_the_checkpoint_and_resumes_exactly(tmp_path):
+    """sync_ref_model (TR-DPO), mixed at steps 2, 4 and 6: a resume from the checkpoint at step 3 (holding the mix
+    of step 2) ends with the uninterrupted run's weights and records (the KL to the reference included), which a
+    reference restarted from the model folder would not give."""
+    run = [*RUN[:RUN.index("--num_iterations")], "--num_iterations", "2", "--max_steps", "6", "--save_steps", "3",
+           "--save_total_limit", "0", "--disable_tqdm", "true", "--beta", "0.1", "--learning_rate", "0.01",
+           "--sync_ref_model", "true", "--ref_model_sync_steps", "2", "--ref_model_mixup_alpha", "0.5",
+           "--lr_scheduler_type", "constant"]
+    ref = tmp_path / "ref"
+    torchrun(2, [*run, "--output_dir", str(ref)])
+    records = read_jsonl(ref / "metrics.jsonl")
+    plain = tmp_path / "plain"
+    torchrun(2, [*run, "--output_dir", str(plain), "--sync_ref_model", "false", "--max_steps", "3"])
+    unsynced = read_jsonl(plain / "metrics.jsonl")
+    assert records[1]["kl"] == unsynced[1]["kl"] and records[2]["kl"] != unsynced[2]["kl"]  # the mix after step 2
+    out = tmp_path / "out"
+    shutil.copytree(ref, out, ignore=lambda folder, names: [n for n in names if n in ("step-00000006", "final",
+                                                                                      "run.lock")])
+    proc = torchrun(2, [*run, "--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+    assert "step-00000003 at step 3" in proc.stderr, proc.stderr[-3000:]
+    wa, wb = weights(ref), weights(out)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert comparable(read_jsonl(out / "metrics.jsonl")) == comparable(records)

@@ -148,6 +148,11 @@ class Config:
                                            "this top fraction of the optimizer step's tokens over all ranks (one "
                                            "extra no-grad forward per micro-batch); 1.0 keeps all")
     beta: float = opt(0.0, "KL coefficient (k3) against the frozen reference model; 0 = no reference")
+    sync_ref_model: bool = opt(False, "TR-DPO: every ref_model_sync_steps optimizer steps the reference becomes "
+                                      "ref_model_mixup_alpha x policy + (1 - alpha) x reference (needs beta > 0; "
+                                      "its weights are then part of every checkpoint)")
+    ref_model_mixup_alpha: float = opt(0.6, "sync_ref_model: the policy's share of the mixed reference")
+    ref_model_sync_steps: int = opt(512, "sync_ref_model: optimizer steps between mixes")
     loss_type: str = opt("dapo", "grpo, step_token_mean, dr_grpo, dapo, cispo, sapo, luspo or vespo (docs: the "
                                  "loss table)")
     vespo_k_pos: float = opt(2.0, "vespo: the gamma weight's shape k for sequences with advantage >= 0")
@@ -323,6 +328,15 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          f"reuse_generation_share: must be in (0, 1) or null, got {cfg.reuse_generation_share}")
     need(cfg.reuse_measure_rollouts >= 1, f"reuse_measure_rollouts: must be >= 1, got {cfg.reuse_measure_rollouts}")
     need(cfg.beta >= 0.0, f"beta: must be >= 0, got {cfg.beta}")
+    if cfg.sync_ref_model:
+        need(cfg.beta > 0.0, "sync_ref_model: beta is 0, so there is no reference model to sync; set beta > 0 or "
+                             "sync_ref_model: false")
+        need(not cfg.use_peft, "sync_ref_model: with use_peft the reference is the base model under the disabled "
+                               "adapter (no second copy of the weights to mix into); use full fine-tuning or "
+                               "sync_ref_model: false")
+        need(0.0 <= cfg.ref_model_mixup_alpha <= 1.0,
+             f"ref_model_mixup_alpha: must be in [0, 1], got {cfg.ref_model_mixup_alpha}")
+        need(cfg.ref_model_sync_steps >= 1, f"ref_model_sync_steps: must be >= 1, got {cfg.ref_model_sync_steps}")
     need(cfg.loss_type != "bnpo", "loss_type: bnpo: TRL's bnpo divides each micro-batch by its own token count, so "
          "its update depends on how the rollout is split; use step_token_mean (the step's tokens on all ranks) or dapo")
     need(cfg.loss_type in LOSS_TYPES, f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {cfg.loss_type!r}")

@@ -177,9 +177,6 @@ GRPO_FIELDS: dict[str, Rule] = {
     "vllm_max_model_length": rename("vllm_max_model_len"),
     "vllm_importance_sampling_cap": rename("vllm_importance_sampling_clip_max"),
     "reward_weights": _reward_weights,
-    "sync_ref_model": only(False, "the reference model is not synced to the policy (TR-DPO) here"),
-    "ref_model_mixup_alpha": only(0.6, "the reference model is not synced (sync_ref_model)"),
-    "ref_model_sync_steps": only(512, "the reference model is not synced (sync_ref_model)"),
     "max_tool_calling_iterations": only(None, "multi-turn tool calling is " + NOT_IMPLEMENTED),
     "log_completions": _log_completions,
     "log_multimodal": same_meaning("there are no images to log"),
@@ -199,7 +196,8 @@ SAME = ("num_generations", "max_completion_length", "temperature", "top_p", "top
         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
         "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_bias_correction_kl", "vespo_k_pos",
         "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation", "top_entropy_quantile",
-        "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+        "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
 # TrainingArguments fields that mean something else here, or a value the recipe cannot honour.
 TRAINING_FIELDS: dict[str, Rule] = {
     "num_train_epochs": only(3.0, "runs are counted in optimizer steps", "max_steps"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 import collections
 import contextlib
 
+import torch
+
 from grpo_recipe.config.schema import Config
 from grpo_recipe.model.ds_config import ds_config
 from grpo_recipe.model.load import load_model
@@ -66,6 +68,56 @@ def init_reference(path: str, cfg: Config, world_size: int, policy=None):
 
 def is_zero3(engine) -> bool:
     return engine.zero_optimization_partition_weights()
+
+
+def _pairs(ref, policy) -> list:
+    """(reference parameter, policy parameter) by name: the same model, sharded alike."""
+    mine, theirs = dict(ref.module.named_parameters()), dict(policy.module.named_parameters())
+    if mine.keys() != theirs.keys():
+        raise RuntimeError("sync_ref_model: the reference and the policy have different parameters")
+    return [(p, theirs[name]) for name, p in mine.items()]
+
+
+@torch.no_grad()
+def mix_into_reference(ref, policy, alpha: float) -> None:
+    """TR-DPO's reference update (sync_ref_model, TRL's SyncRefModelCallback): ref = alpha x policy +
+    (1 - alpha) x ref, every parameter. Under ZeRO-3 one parameter pair is gathered at a time (the whole model
+    never is), every rank computes the same mix and rank 0's is partitioned back."""
+    import deepspeed
+
+    for target, source in _pairs(ref, policy):
+        params = [p for p in (target, source) if hasattr(p, "ds_id")]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if params else None):
+            target.data.mul_(1.0 - alpha).add_(source.data.to(target.dtype), alpha=alpha)
+
+
+def _whole(p) -> bool:
+    """Whether the parameter's whole tensor is in place on this rank: unpartitioned, or one ZeRO-3 keeps whole
+    (persistent, small) once a forward has fetched it."""
+    return not hasattr(p, "ds_tensor") or p.data.numel() == p.ds_numel
+
+
+def reference_shard(ref) -> dict[str, torch.Tensor]:
+    """This rank's part of a synced reference, for its checkpoint: each parameter's ZeRO-3 partition, and the
+    whole tensors in place (`_whole`)."""
+    shard = {}
+    for name, p in ref.module.named_parameters():
+        if hasattr(p, "ds_tensor"):
+            shard[name] = p.ds_tensor.detach().cpu().clone()
+        if _whole(p):
+            shard[name + ":whole"] = p.data.detach().cpu().clone()
+    return shard
+
+
+@torch.no_grad()
+def load_reference_shard(ref, shard: dict[str, torch.Tensor]) -> None:
+    """The inverse of `reference_shard` on the same world size. A ZeRO-3 parameter not fetched yet needs only its
+    partition: its first fetch gathers the whole from the partitions."""
+    for name, p in ref.module.named_parameters():
+        if hasattr(p, "ds_tensor"):
+            p.ds_tensor.copy_(shard[name])
+        if _whole(p):
+            p.data.copy_(shard[name + ":whole"])
 
 
 @contextlib.contextmanager

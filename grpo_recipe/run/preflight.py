@@ -139,6 +139,7 @@ def check_disk_space(cfg: Config, folder: Path | None, ds: dict) -> None:
     partitioned = isinstance(stage, int) and stage >= 2
     # with LoRA the adapter is small, the frozen base (fp32) is what ZeRO-2/3 checkpoints hold
     needed = min_checkpoint_bytes(0 if cfg.use_peft else params, 4 * params if cfg.use_peft else 0, adam, partitioned)
+    needed += 4 * params if cfg.sync_ref_model else 0  # the mixed reference's weights
     limit = cfg.save_total_limit
     need(free >= needed, f"output_dir: {cfg.output_dir} has {mib(free)} free, too little for one checkpoint "
                          f"({space_note(limit, needed)}): free space or choose another output_dir")
