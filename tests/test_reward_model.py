@@ -84,11 +84,28 @@ def test_a_folder_that_is_not_a_reward_model_is_one_line(tmp_path, tiny_model_di
 
 @pytest.mark.slow
 def test_a_reward_model_and_a_function_train_on_two_ranks(tmp_path, reward_model):
+    """The same model loaded whole on each rank and sharded by ZeRO-3 over both ranks scores alike."""
     out = tmp_path / "out"
-    funcs = f"[{{func: length, weight: 1.0}}, {{model: '{reward_model}', weight: 0.5}}]"
+    funcs = (f"[{{func: length, weight: 1.0}}, {{model: '{reward_model}', weight: 0.5}}, "
+             f"{{model: '{reward_model}', sharded: true, name: sharded-rm, weight: 0.5}}]")
     torchrun(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart.yaml", "--max_steps", "2",
                  "--num_iterations", "1", "--max_completion_length", "8", "--disable_tqdm", "true",
                  "--reward_funcs", funcs, "--output_dir", str(out)])
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert all(isinstance(r["reward/tiny-rm"], float) and r["reward/tiny-rm"] == r["reward/tiny-rm"] for r in records)
+    for r in records:
+        assert r["reward/sharded-rm"] == pytest.approx(r["reward/tiny-rm"], abs=1e-5)
+
+
+def test_a_sharded_reward_model_scores_uneven_batches_on_two_ranks(tmp_path, reward_model):
+    """ZeRO-3 over 2 ranks, rank 0 with 3 texts and rank 1 with 5 (batches of 2: 2 and 3 forwards), a failing
+    function listed first that fails on rank 1 only: the sharded model scores first (else rank 0 would wait in its
+    collectives for rank 1, which stopped at the failure), every rank's scores equal transformers' forward."""
+    out = tmp_path / "scores.json"
+    torchrun(2, ["tests/dist_reward_model.py", str(reward_model), str(out)])
+    got = json.loads(out.read_text())
+    for rank, (texts, scores, error) in enumerate(got):
+        assert len(texts) == 3 + 2 * rank
+        assert max(abs(a - b) for a, b in zip(scores, plain_scores(reward_model, texts))) < 1e-5
+        assert ("'fails' raised ValueError: only here" in error) == (rank == 1), error

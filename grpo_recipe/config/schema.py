@@ -111,7 +111,7 @@ class Config:
     reward_funcs: list = opt([{"func": "length", "kwargs": {"target_chars": 60}}],
                              "built-ins (length, accuracy, math_accuracy), module:function, path/file.py:function, "
                              "a reward model (a sequence-classification model's folder or hub name, or "
-                             "{model, tokenizer, batch_size}), or mappings {func, weight, kwargs, name}")
+                             "{model, tokenizer, batch_size, sharded}), or mappings {func, weight, kwargs, name}")
     reward_timeout_s: float = opt(300.0, "the most seconds one reward function call may take on a rank: then the "
                                           "run stops naming it (a stop signal also cuts it short); 0 = no bound")
     scale_rewards: str = opt("group", "std dividing the centered rewards: group, batch (all ranks) or none")

@@ -159,13 +159,17 @@ def load_reward_funcs(specs: list) -> list[RewardFunc]:
         if not isinstance(spec, dict) or ("func" in spec) == ("model" in spec):
             raise RewardError(f"reward_funcs: each entry is a name or a mapping with 'func' (a function) or 'model' "
                               f"(a reward model), got {spec!r}")
-        allowed = {"func", "kwargs"} if "func" in spec else {"model", "tokenizer", "batch_size"}
+        allowed = {"func", "kwargs"} if "func" in spec else {"model", "tokenizer", "batch_size", "sharded"}
         extra = set(spec) - allowed - {"weight", "name"}
         if extra:
             raise RewardError(f"reward_funcs: unknown key(s) {sorted(extra)} in {spec!r}")
         if "model" in spec:
+            if not isinstance(spec.get("sharded", False), bool):
+                raise RewardError(f"reward_funcs: sharded of {spec['model']!r} must be true or false, got "
+                                  f"{spec['sharded']!r}")
             try:
-                fn = ModelReward(str(spec["model"]), spec.get("tokenizer"), int(spec.get("batch_size", 16)))
+                fn = ModelReward(str(spec["model"]), spec.get("tokenizer"), int(spec.get("batch_size", 16)),
+                                 sharded=spec.get("sharded", False))
             except RewardModelError as e:
                 raise RewardError(f"reward_funcs: {e}") from None
             name = fn.__name__
@@ -237,7 +241,9 @@ def _call_all(funcs: list[RewardFunc], inputs: dict, timeout_s: float | None = N
     call (the awaitables together) is bounded by `timeout_s` and cut short by a stop signal (dist/signals.py)."""
     outs: dict[str, Any] = {}
     pending: dict[str, Any] = {}
-    for f in funcs:
+    # sharded reward models first: their forwards are collectives, which no rank may skip for a function
+    # that failed before them on its own (rewards/model.py)
+    for f in sorted(funcs, key=lambda f: not getattr(f.fn, "sharded", False)):
         liveness.set_phase(f"{where}reward {f.name!r}")
         try:
             with signals.bounded(f"reward {f.name!r}", timeout_s):
