@@ -160,7 +160,8 @@ LOOP_ARGS = ["--config", "grpo_recipe/configs/quickstart.yaml", "--num_iteration
 def loop(work: Path, cuda: bool) -> dict:
     """The recipe's own loop, as a user starts it (a world of one, every collective forced on): 4 steps with a
     checkpoint at step 2; 2 steps, then a resume to 4 from that checkpoint (final weights compared with the
-    uninterrupted run's); LoRA with beta > 0 (the adapter-off reference forward) for 2 steps."""
+    uninterrupted run's); LoRA with beta > 0 (the adapter-off reference forward) for 2 steps; TRL's menu with
+    collectives of its own (the top-entropy threshold's gather, adaptive entropy, the reference's mix) for 2."""
     import subprocess
 
     from safetensors.torch import load_file
@@ -191,6 +192,9 @@ def loop(work: Path, cuda: bool) -> dict:
     res["resumed"] = train("resumed", "--max_steps", "4", "--save_steps", "2", "--resume_from_checkpoint", "auto")
     res["lora_beta"] = train("lora", "--use_peft", "true", "--beta", "0.04", "--learning_rate", "1e-3", "--max_steps",
                              "2", "--save_steps", "0", "--overwrite_output_dir", "true")
+    res["trl_menu"] = train("menu", "--beta", "0.04", "--sync_ref_model", "true", "--ref_model_sync_steps", "1",
+                            "--top_entropy_quantile", "0.5", "--use_adaptive_entropy", "true", "--entropy_target",
+                            "100", "--max_steps", "2", "--save_steps", "0", "--overwrite_output_dir", "true")
     ok = all(r["exit_code"] == 0 for r in res.values())
     if ok:
         a, b = weights("full"), weights("resumed")
@@ -199,7 +203,7 @@ def loop(work: Path, cuda: bool) -> dict:
         res["resume_same_losses"] = res["full"]["losses"] == res["resumed"]["losses"]  # its metrics keep steps 1-2
     finite = all(math.isfinite(x) for r in res.values() if isinstance(r, dict) for x in r.get("losses", []))
     res["passed"] = ok and finite and res["full"]["steps"] == 4 and res["lora_beta"]["steps"] == 2 \
-        and all(k is not None for k in res["lora_beta"]["kl"])
+        and all(k is not None for k in res["lora_beta"]["kl"]) and res["trl_menu"]["steps"] == 2
     return res
 
 

@@ -305,6 +305,7 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     loop = r["loop"]
     assert loop["passed"] and loop["resume_bit_exact"] and loop["resume_same_losses"], loop
     assert loop["full"]["steps"] == 4 and all(k is not None for k in loop["lora_beta"]["kl"])
+    assert loop["trl_menu"]["steps"] == 2 and loop["trl_menu"]["exit_code"] == 0  # its own collectives, forced
     assert r["logprob_paths"]["agree"] and r["checks"] == {k: True for k in r["checks"]}
     assert r["sections_done"] == ["loop", "train_bf16", "generation", "logprob_paths", "vllm", "checks"]
 
