@@ -310,7 +310,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         need(getattr(cfg, name) >= 0, f"{name}: must be >= 0, got {getattr(cfg, name)}")
     need(cfg.completions_per_rollout % cfg.num_generations == 0,
          f"num_generations: per_device_train_batch_size x gradient_accumulation_steps x optimizer_steps_per_pass "
-         f"= {cfg.completions_per_rollout} completions per rank must be divisible by num_generations = {cfg.num_generations}")
+         f"= {cfg.completions_per_rollout} completions per rank must be divisible by num_generations = {cfg.num_generations} "
+         f"(each group's completions stay on one rank; TRL spreads a group over ranks): raise "
+         f"per_device_train_batch_size or gradient_accumulation_steps")
     need(0.0 < cfg.epsilon < 1.0, f"epsilon: must be in (0, 1), got {cfg.epsilon}")
     need(cfg.eps_high > 0.0, f"epsilon_high: must be > 0, got {cfg.epsilon_high}")
     need(cfg.reuse_target_kl is None or cfg.reuse_target_kl > 0,
