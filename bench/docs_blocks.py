@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -153,9 +154,321 @@ def whole_run_memory(results: Path) -> str:
     return f"{w['1']:.2f}x the fp32 model at world 1 (goal 5.0x), {w['2']:.2f}x at world 2 (goal 3.0x)"
 
 
+def _sci(x: float) -> str:
+    """One significant digit, the exponent as prose writes it: 2.2e-08 -> 2e-8."""
+    mantissa, exponent = f"{x:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def vs_trl_phases(results: Path) -> str:
+    """docs/benchmarks.md: at mu = 1, generation, forward and backward + optimizer seconds per step, ours / TRL."""
+    p = _load(results, "vs_trl.json")["by_mu"]["1"]["phases_s_per_step"]
+    gen, fwd, bwd = (p["ours"][phase] / p["trl"][phase] for phase in ("generate", "forward", "backward"))
+    return f"{gen:.2f}x, {fwd:.2f}x and {bwd:.2f}x"
+
+
+def vs_trl_recipe_zero_step(results: Path) -> str:
+    """docs/benchmarks.md: seconds per optimizer step against TRL given the recipe's resolved ZeRO sizes."""
+    r = _load(results, "vs_trl_recipe_zero.json")
+    mu = r["by_mu"]
+    return (f"{mu['1']['sec_per_step']['ratio']:.2f} at mu = 1, {mu['4']['sec_per_step']['ratio']:.2f} at mu = 4, "
+            f"{r['step_time_ratio']:.2f} over all pairs")
+
+
+def vs_trl_overall(results: Path) -> str:
+    """bench/README.md: the step time ratio over all pairs, TRL given accelerate's ZeRO sizes and the recipe's."""
+    accelerates, recipes = (_load(results, f)["step_time_ratio"] for f in ("vs_trl.json", "vs_trl_recipe_zero.json"))
+    return f"{accelerates:.2f}, and {recipes:.2f} with the same ZeRO sizes on both sides"
+
+
+def vs_trl_generation(results: Path) -> str:
+    """bench/README.md: the range of generation's median seconds, ours / TRL, over both ZeRO sizes and both mu."""
+    ratios = [_load(results, f)["by_mu"][mu]["generate_s_median"]["ratio"]
+              for f in ("vs_trl.json", "vs_trl_recipe_zero.json") for mu in ("1", "4")]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def vs_trl_old_logp_forward(results: Path) -> str:
+    """bench/README.md: TRL's no-grad forward for old log-probs at mu = 4, its prepare minus its generation."""
+    trl = _load(results, "vs_trl.json")["by_mu"]["4"]["phases_s_per_step"]["trl"]
+    return f"{trl['prepare'] - trl['generate']:.2f} s per step"
+
+
+def _mu_sweep_auto_passes(results: Path) -> int:
+    """The passes per rollout every `auto` run took (one value, or the prose's "every run" no longer holds)."""
+    (passes,) = {x["passes_used_mean"] for x in _load(results, "mu_sweep.json")["runs"] if x["mu"] == "auto"}
+    return passes
+
+
+def mu_sweep_auto(results: Path) -> str:
+    """docs/benchmarks.md, bench/README.md: `auto`'s speed-up over mu = 1 to f = 0.5 and 0.8 (median over seeds)."""
+    s = _load(results, "mu_sweep.json")["summary"]
+    return " / ".join(f"{s[f]['speedup_vs_mu1']['auto']['median']:.2f}x" for f in ("0.5", "0.8"))
+
+
+def mu_sweep_auto_decisions(results: Path) -> str:
+    """docs/benchmarks.md, bench/README.md: the fixed mu whose decisions `auto` made in the quickstart's regime."""
+    return f"mu = {_mu_sweep_auto_passes(results)}'s decisions"
+
+
+def mu_sweep_auto_passes(results: Path) -> str:
+    """bench/README.md: the passes per rollout `auto` took in every run of the quickstart's regime."""
+    passes = _mu_sweep_auto_passes(results)
+    return f"{passes} passes per rollout in every run, making exactly mu = {passes}'s decisions"
+
+
+def mu_sweep_generation_share(results: Path) -> str:
+    """docs/benchmarks.md, bench/README.md: generation's share of a mu = 1 step in the quickstart's regime (mean)."""
+    runs = [x for x in _load(results, "mu_sweep.json")["runs"] if x["mu"] == 1]
+    return f"{sum(x['generation_share'] for x in runs) / len(runs):.2f}"
+
+
+def mu_sweep_clipped(results: Path) -> str:
+    """bench/README.md: the share of replayed tokens outside the clip range at mu = 4 (mean over seeds)."""
+    runs = [x for x in _load(results, "mu_sweep.json")["runs"] if x["mu"] == 4]
+    return f"{sum(x['clip_ratio_region_mean'] for x in runs) / len(runs):.2f}"
+
+
+def mu_sweep_first_reward(results: Path) -> str:
+    """bench/README.md: the median first-rollout reward, which the thresholds are fractions of the way up from."""
+    return f"{statistics.median(x['rows'][0]['reward'] for x in _load(results, 'mu_sweep.json')['runs']):.1f}"
+
+
+def mu_sweep_thresholds(results: Path) -> str:
+    """bench/README.md: each threshold's reward."""
+    t = _load(results, "mu_sweep.json")["summary"]["thresholds"]
+    return "; ".join(f"f = {f}: {t[f]:.1f}" for f in t)
+
+
+GATHER_REGIMES = ("noe_b16_gather_lr1.5e-4", "noe_b16_gather_lr3e-4")  # generation the largest share of a step
+
+
+def reuse_generation_bound(results: Path) -> str:
+    """docs/benchmarks.md: where generation dominates a step, how much sooner `auto` reaches 80% than mu = 1."""
+    r = _load(results, "reuse_regimes.json")
+    name = GATHER_REGIMES[0]
+    v, regime = r["verdicts"][name], r["regimes"][name]
+    return (f"where generation is {regime['generation_share_mu1']:.0%} of a step (`{name}`), `auto` reaches "
+            f"{float(v['threshold']):.0%} {v['auto']:.2f}x sooner than mu = 1 "
+            f"({regime['variants']['auto']['passes_used_mean']:.2f} passes per rollout; plain mu = "
+            f"{v['best_fixed_mu']} {v['best_fixed']:.2f}x)")
+
+
+def regimes_generation_bound(results: Path) -> str:
+    """bench/README.md: `auto` against mu = 1 and the best fixed mu in the two regimes where generation dominates."""
+    r = _load(results, "reuse_regimes.json")
+    (high, low), v = GATHER_REGIMES, r["verdicts"]
+    at = lambda name: (f"g = {r['regimes'][name]['generation_share_mu1']:.2f} and "  # noqa: E731
+                       f"lr {name.rsplit('_lr', 1)[1]}")
+    return (f"{v[high]['auto']:.2f}x mu = 1 at {at(high)} "
+            f"({r['regimes'][high]['variants']['auto']['passes_used_mean']:.2f} passes per rollout; plain mu = "
+            f"{v[high]['best_fixed_mu']} {v[high]['best_fixed']:.2f}x), {v[low]['auto']:.2f}x at {at(low)} "
+            f"({v[low]['auto_over_best']:.2f} of mu = {v[low]['best_fixed_mu']})")
+
+
+def regimes_auto_over_best(results: Path) -> str:
+    """bench/README.md: the range of `auto` / the best fixed mu to 80%, over the regimes where a fixed mu got there."""
+    ratios = [v["auto_over_best"] for v in _load(results, "reuse_regimes.json")["verdicts"].values()
+              if v["auto_over_best"] is not None]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def regimes_wrong_mu(results: Path) -> str:
+    """bench/README.md: the wrong fixed mu against mu = 1 (mu = 8 to 80% in mid_lr6e-4, to 50% in trl_lr1e-3)."""
+    s = _load(results, "reuse_regimes.json")["speedup_vs_mu1"]
+    return (f"mu = 8 in `mid_lr6e-4` {s['mid_lr6e-4']['8']['0.8']:.2f}, in `trl_lr1e-3` to 50% "
+            f"{s['trl_lr1e-3']['8']['0.5']:.2f}")
+
+
+def regimes_trl_80(results: Path) -> str:
+    """bench/README.md: in trl_lr1e-3, how many of `auto`'s seeds reached 80%, and the speed-up of those that did."""
+    a = _load(results, "reuse_regimes.json")["regimes"]["trl_lr1e-3"]["variants"]["auto"]["0.8"]
+    reached = [(x, bound) for x, bound in zip(a["per_seed"], a["per_seed_is_lower_bound"]) if x is not None]
+    return (f"{len(reached)} of the default's {len(a['per_seed'])} seeds reached it ("
+            + ", ".join(f"{'≥' if bound else ''}{x:.2f}x" for x, bound in reached) + " mu = 1)")
+
+
+def regimes_trl_50(results: Path) -> str:
+    """bench/README.md: in trl_lr1e-3 to 50%, `auto` against mu = 1 and against the best fixed mu there."""
+    s = _load(results, "reuse_regimes.json")["speedup_vs_mu1"]["trl_lr1e-3"]
+    best = max(("2", "4", "8"), key=lambda mu: s[mu]["0.5"] or 0.0)
+    return f"{s['auto']['0.5']:.2f}x mu = 1, {s['auto']['0.5'] / s[best]['0.5']:.2f} of mu = {best}"
+
+
+def _separate(results: Path) -> dict:
+    return _load(results, "separate_generation.json")
+
+
+def separate_overlap(results: Path) -> str:
+    """docs/benchmarks.md, bench/README.md: at staleness 1, the trainers' wait and the share of the shorter phase
+    hidden under the other."""
+    s1 = _separate(results)["variants"]["separate_s1"]
+    return (f"the trainers wait {s1['wait_s'] * 1e3:.0f} ms per rollout, {s1['hidden_fraction']:.2f} of the shorter "
+            f"phase hidden")
+
+
+def separate_reward_gap(results: Path) -> str:
+    """docs/benchmarks.md, bench/README.md: staleness 1's reward over the last half against staleness 0's."""
+    v = _separate(results)["variants"]
+    return (f"{v['separate_s0']['reward_last_half'] - v['separate_s1']['reward_last_half']:.2f} below staleness 0 "
+            f"over the last half")
+
+
+def separate_reward_seeds(results: Path) -> str:
+    """bench/README.md: staleness 1's reward per seed against staleness 0's, and the seeds' own spread."""
+    p = _separate(results)["reward_last_half_per_seed"]
+    lower = [s0 - s1 for s0, s1 in zip(p["separate_s0"], p["separate_s1"]) if s1 < s0]
+    return (f"lower on {len(lower)} of {len(p['separate_s0'])} seeds, by {min(lower):.2f}-{max(lower):.2f}; the "
+            f"seeds' own spread at staleness 0 is {statistics.stdev(p['separate_s0']):.2f}, one standard deviation")
+
+
+def separate_s0_same(results: Path) -> str:
+    """bench/README.md: on how many seeds staleness 0 gave exactly the colocated rewards."""
+    p = _separate(results)["reward_last_half_per_seed"]
+    return f"{sum(a == b for a, b in zip(p['colocated'], p['separate_s0']))} of {len(p['colocated'])} seeds"
+
+
+def separate_contention(results: Path) -> str:
+    """bench/README.md: the trainers' training seconds per rollout at staleness 1 (sharing cores) against 0."""
+    v = _separate(results)["variants"]
+    return f"{v['separate_s1']['train_s']:.2f} s against {v['separate_s0']['train_s']:.2f} s of training"
+
+
+def separate_own_devices(results: Path) -> str:
+    """docs/benchmarks.md: staleness 1 on devices of its own against colocated (a model from measured phase times)."""
+    m = _separate(results)["own_devices_model"]
+    return (f"{m['speedup_extra_devices']:.2f}x colocated's speed with a third device added, "
+            f"{m['speedup_same_devices']:.2f}x of colocated on all three")
+
+
+def separate_model_phases(results: Path) -> str:
+    """bench/README.md: the colocated runs' phase times the own-devices model starts from."""
+    m = _separate(results)["own_devices_model"]
+    return f"g = {m['g_s']:.2f} s, training t = {m['t_s']:.2f} s"
+
+
+def separate_model_speed(results: Path) -> str:
+    """bench/README.md: staleness 1 on devices of its own, from the model (seconds per rollout and speed-ups)."""
+    m = _separate(results)["own_devices_model"]
+    return (f"{m['separate_s1_s']:.2f} s per rollout: {m['speedup_extra_devices']:.2f}x faster than colocated on 2 "
+            f"devices, by adding a third for generation, but {m['speedup_same_devices']:.2f}x of colocated on all 3")
+
+
+def vllm_long_speedup(results: Path) -> str:
+    """docs/benchmarks.md: vLLM against transformers with 64 completions of up to 128 tokens per rank."""
+    r = _load(results, "vllm_vs_hf_long.json")
+    return (f"{r['vllm_speedup']:.2f}x, sync {r['sync_s_per_rollout']['mean'] * 1e3:.0f} ms "
+            f"({r['sync_share_of_vllm_rollout']:.1%} of the rollout's generation)")
+
+
+def lora_vllm_sync(results: Path) -> str:
+    """docs/benchmarks.md: adapter against merged sync into vLLM on the 0.5B shape, per sync and per rollout."""
+    s = _load(results, "lora_vllm.json")["summary"]["qwen05b"]
+    a = s["adapter_over_merged"]
+    return (f"`adapter` sync moves {a['sync_bytes_per_rank']:.3f}x the bytes in {a['sync_s']:.3f}x the time of "
+            f"`merged`, but generates at {a['tokens_per_s']:.2f}x the tokens/s on CPU, so `{s['faster_per_rollout']}` "
+            f"(the default) is {a['rollout_s']:.1f}x faster per rollout")
+
+
+def lora_vllm_decode(results: Path) -> str:
+    """bench/README.md: how much slower adapter mode decodes, and below how many tokens per rollout it would win."""
+    s = _load(results, "lora_vllm.json")["summary"]
+    slower = {m: 1 / s[m]["adapter_over_merged"]["tokens_per_s"] for m in ("qwen05b", "tiny")}
+    below = {m: s[m]["adapter_faster_below_tokens_per_rollout"] for m in ("qwen05b", "tiny")}
+    return (f"decodes {slower['qwen05b']:.1f}x slower on the 0.5B shape ({slower['tiny']:.1f}x on the tiny model) "
+            f"and would win a rollout only below about {below['qwen05b']:.0f} tokens per rollout there "
+            f"({below['tiny']:.0f} on the tiny model)")
+
+
+def scale_loading(results: Path) -> str:
+    """docs/benchmarks.md: the policy's loading per rank at world 2, x the fp32 model (the worse rank)."""
+    rows = _load(results, "scale.json")["startup"]["rows"]
+    row = next(r for r in rows if r["world"] == 2 and r["models"] == "policy")
+    return f"{max(row['after']['policy_load_added']):.2f}x"
+
+
+def scale_logprob(results: Path) -> str:
+    """docs/benchmarks.md: a micro-batch's log-prob forward and backward, peak memory against the plain computation."""
+    rows = {(r["dtype"], r["gradient_checkpointing"]): r["after_over_before"]
+            for r in _load(results, "scale.json")["logprob"]["rows"]}
+    return (f"{rows['bf16', True]:.2f}x of the plain computation in bf16, {rows['fp32', True]:.2f}x in fp32 with "
+            f"checkpointing, {rows['fp32', False]:.2f}x without")
+
+
+def scale_throughput(results: Path) -> str:
+    """docs/benchmarks.md: training tokens/s with varied completion lengths, against the plain approach."""
+    return f"{_load(results, 'scale.json')['throughput']['row']['speedup']:.2f}x"
+
+
+def scale_same_update(results: Path) -> str:
+    """bench/README.md: the throughput step's update against the plain approach's."""
+    d = _load(results, "scale.json")["throughput"]["row"]["same_update"]
+    return f"loss difference {_sci(d['loss_abs_diff'])}, gradient norm {_sci(d['grad_norm_rel_diff'])} relative"
+
+
+def scale_positions(results: Path) -> str:
+    """bench/README.md: positions through the layers and model FLOPs of one step, the recipe against plain (counted)."""
+    p = _load(results, "scale.json")["padding"]["row"]
+    before, after = p["before"], p["after"]
+    return (f"{after['positions_through_layers']:,} positions instead of {before['positions_through_layers']:,}: "
+            f"{after['model_flops'] / 1e12:.1f} instead of {before['model_flops'] / 1e12:.1f} model TFLOPs")
+
+
+def whole_run_per_layer(results: Path) -> str:
+    """docs/benchmarks.md: the whole run's peak per rank at world 2 with `per_layer` generation, x the fp32 model."""
+    row = next(r for r in _load(results, "scale.json")["whole_run"]["rows"]
+               if r["world"] == 2 and "per_layer" in r["args"])
+    return f"{max(row['peak_x_fp32']):.2f}x with `per_layer` generation"
+
+
+def old_logp_per_rank(results: Path) -> str:
+    """docs/benchmarks.md: the old log-probs' bytes per rank at each world size and mu."""
+    rows = _load(results, "memory.json")["rows"]
+    sizes = sorted({b for r in rows for b in r["old_logp_bytes_per_rank"]})
+    join = lambda xs: " and ".join(str(x) for x in sorted(set(xs)))  # noqa: E731
+    amount = (f"the same {sizes[0] / 1024:.0f} KiB" if len(sizes) == 1
+              else f"{sizes[0] / 1024:.0f}-{sizes[-1] / 1024:.0f} KiB")
+    return (f"{amount} per rank at world size {join(r['world_size'] for r in rows)}, "
+            f"mu = {join(r['mu'] for r in rows)}")
+
+
+def smollm2_training(results: Path) -> str:
+    """bench/README.md: the training reward (correctness) in the first and last quarter of steps, and the run's time."""
+    t = _load(results, "smollm2_arith.json")["train"]
+    return (f"{t['reward_correctness_first_quarter']:.2f} in the first quarter of steps to "
+            f"{t['reward_correctness_last_quarter']:.2f} in the last; the run took {t['wall_time_s'] / 60:.0f} minutes")
+
+
+def real_vs_trl_untrained(results: Path) -> str:
+    """bench/README.md: the untrained model's greedy accuracy on real_vs_trl's held-out questions."""
+    return f"{_load(results, 'real_vs_trl.json')['untrained']['accuracy']:.3f}"
+
+
 BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "lora-optimizer-state": lora_optimizer_state, "vllm-speedup": vllm_speedup,
-          "smollm2-learns": smollm2_learns, "whole-run-memory": whole_run_memory, "trl-default-differences": trl_default_differences, "regimes-bars": regimes_bars, "lora-memory-table": lora_memory_table, "lora-vllm-peaks": lora_vllm_peaks, "status": status}
+          "smollm2-learns": smollm2_learns, "whole-run-memory": whole_run_memory,
+          "trl-default-differences": trl_default_differences, "regimes-bars": regimes_bars,
+          "lora-memory-table": lora_memory_table, "lora-vllm-peaks": lora_vllm_peaks, "status": status,
+          "vs-trl-phases": vs_trl_phases, "vs-trl-recipe-zero-step": vs_trl_recipe_zero_step,
+          "vs-trl-overall": vs_trl_overall, "vs-trl-generation": vs_trl_generation,
+          "vs-trl-old-logp-forward": vs_trl_old_logp_forward,
+          "mu-sweep-auto": mu_sweep_auto, "mu-sweep-auto-decisions": mu_sweep_auto_decisions,
+          "mu-sweep-auto-passes": mu_sweep_auto_passes, "mu-sweep-generation-share": mu_sweep_generation_share,
+          "mu-sweep-clipped": mu_sweep_clipped, "mu-sweep-first-reward": mu_sweep_first_reward,
+          "mu-sweep-thresholds": mu_sweep_thresholds,
+          "reuse-generation-bound": reuse_generation_bound, "regimes-generation-bound": regimes_generation_bound,
+          "regimes-auto-over-best": regimes_auto_over_best, "regimes-wrong-mu": regimes_wrong_mu,
+          "regimes-trl-80": regimes_trl_80, "regimes-trl-50": regimes_trl_50,
+          "separate-overlap": separate_overlap, "separate-reward-gap": separate_reward_gap,
+          "separate-reward-seeds": separate_reward_seeds, "separate-s0-same": separate_s0_same,
+          "separate-contention": separate_contention, "separate-own-devices": separate_own_devices,
+          "separate-model-phases": separate_model_phases, "separate-model-speed": separate_model_speed,
+          "vllm-long-speedup": vllm_long_speedup, "lora-vllm-sync": lora_vllm_sync,
+          "lora-vllm-decode": lora_vllm_decode, "scale-loading": scale_loading, "scale-logprob": scale_logprob,
+          "scale-throughput": scale_throughput, "scale-same-update": scale_same_update,
+          "scale-positions": scale_positions, "whole-run-per-layer": whole_run_per_layer,
+          "old-logp-per-rank": old_logp_per_rank, "smollm2-training": smollm2_training,
+          "real-vs-trl-untrained": real_vs_trl_untrained}
 
 
 def pages(root: Path) -> list[Path]:

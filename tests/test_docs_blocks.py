@@ -36,3 +36,12 @@ def test_a_wrong_figure_in_a_page_or_a_changed_results_file_is_caught(tmp_path):
     lora = root / "results" / "lora_vllm.json"
     lora.write_text(lora.read_text().replace('"peak_rss_mib_per_rank": 6983.115234375', '"peak_rss_mib_per_rank": 9600'))
     assert differing(root, root / "results") == ["docs/scaling.md: lora-vllm-peaks"]
+
+
+def test_a_changed_results_file_is_caught_on_every_page_that_holds_its_block(tmp_path):
+    root = scratch(tmp_path)
+    sep = root / "results" / "separate_generation.json"
+    sep.write_text(sep.read_text().replace('"wait_s": 0.0032429670027340762', '"wait_s": 0.0132429670027340762', 1))
+    assert sorted(differing(root, root / "results")) == ["bench/README.md: separate-overlap",
+                                                         "docs/benchmarks.md: separate-overlap",
+                                                         "docs/scaling.md: separate-overlap"]
