@@ -255,6 +255,25 @@ def test_vs_trl_smoke(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not importlib.util.find_spec("trl") and not os.environ.get("GRPO_REQUIRE_TRL"),
+                    reason="trl not installed (bash launch/setup_venv.sh test,bench-trl)")
+def test_vs_trl_real_smoke(tmp_path):
+    """bench/vs_trl_real.py --smoke: the recipe, TRL and the plain-PyTorch floor on the real SmolLM2 weights
+    through its chat template, each side's phases, tokens and per-rank peak memory, the ratios and the figure."""
+    bench(tmp_path, "vs_trl_real.py", "--smoke", "--out", str(tmp_path), timeout=1500)
+    r = written(tmp_path / "vs_trl_real.json")
+    s = r["shapes"]["smollm2"]
+    assert r["smoke"] and r["trl_version"] == "1.16.0" and r["run"]["learning_rate"] == 1e-30
+    assert s["step_time_ratio"]["mu1"] > 0 and s["floor_ratio"]["mu1"] > 0 and s["peak_rss_ratio"] > 0
+    for side in ("ours", "trl", "floor"):
+        entry = s["by_mu"]["1"][side]
+        assert entry["sec_per_step"] > 0 and entry["tokens_per_s"] > 0 and entry["peak_rss_bytes"] > 2**20
+        assert {"generate", "prepare", "forward", "backward", "other"} <= entry["phases_s_per_step"].keys()
+    assert {(x["side"], len(x["peak_bytes"])) for x in r["runs"]} == {("ours", 2), ("trl", 2), ("floor", 2)}
+    assert_plot(tmp_path / "vs_trl_real.png", 660, 440)
+
+
+@pytest.mark.slow
 def test_scale_smoke(tmp_path):
     """bench/scale.py --smoke: every part, before and after side by side, on a small model."""
     bench(tmp_path, "scale.py", "--smoke", timeout=900)

@@ -1,0 +1,307 @@
+"""Speed and memory on real model shapes: this recipe, TRL 1.16's GRPOTrainer and the floor, side by side.
+
+    python bench/vs_trl_real.py                       # both shapes, mu 1 and 4, 2 repetitions -> vs_trl_real.{json,png}
+    python bench/vs_trl_real.py --shapes smollm2      # one shape (the other keeps its figures in the file)
+    python bench/vs_trl_real.py --smoke --out DIR     # CI: every side and the summary in minutes, no claim
+
+The design, declared before the runs:
+- Shapes: SmolLM2-135M-Instruct (real weights, 49k vocabulary; grpo_recipe.tools.prepare_model --source smollm2)
+  and a Qwen2.5-0.5B-shaped model (random weights, 151k vocabulary, bench/measure.py) with SmolLM2's tokenizer
+  and chat template (a random model rarely ends at EOS: its completions run to the cap).
+- The same work on every side: 2 CPU ranks, GSM8K-shaped questions (grpo_recipe/assets) through the model's chat
+  template, 8 completions per prompt, 2 prompts per rank per rollout, completions up to 256 tokens ending at EOS,
+  transformers' generate, one optimizer step per pass, mu = 1 and 4, at least 20 optimizer steps after the first
+  rollout (warm-up, not timed), 2 repetitions, the sides alternating (ours, TRL, floor, ours, ...) so that load
+  drift hits all. ZeRO-3 on the recipe and TRL (bench/vs_trl.py's fairness rules, which the JSON repeats).
+- A learning rate too small to move the policy (1e-30: every optimizer step still runs), so all sides sample from
+  the same fixed policy and see one distribution of prompt and completion lengths.
+- The floor (bench/floor_runner.py): plain PyTorch, one process per rank, the whole model on each rank, the same
+  generation, then forward and backward on exactly the generated tokens without padding.
+- Measured: seconds per optimizer step (each run's own per-step clock), per phase (generation; the rest of the
+  rollout's preparation: rewards, old and reference log-probs, weight sync; forward + loss; backward + optimizer;
+  other), completion tokens trained per second, and the peak private memory (RssAnon) of each rank process,
+  sampled alike for all sides (bench/measure.py whole_run_peaks). A timed run needs the machine alone: the load
+  is recorded at each run's start and end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+SIDES = ("ours", "trl", "floor")
+SHAPES = ("smollm2", "qwen05b")
+RUN = {"max_completion_length": 256, "max_prompt_length": 256, "num_generations": 8,
+       "per_device_train_batch_size": 16, "gradient_accumulation_steps": 1, "optimizer_steps_per_pass": 1,
+       "learning_rate": 1e-30, "temperature": 1.0, "beta": 0.0, "loss_type": "dapo",
+       "logging_steps": 1, "save_steps": 0, "disable_tqdm": True, "reward_funcs": ["length"],
+       "prompt_column": "prompt", "max_grad_norm": 1.0}
+TIMED_STEPS = 20
+SMOKE = {"run": {"max_completion_length": 8, "num_generations": 2, "per_device_train_batch_size": 4},
+         "steps": 2, "mus": [1], "reps": 1, "shapes": ["smollm2"]}
+GOALS = {"step_time": "ours / TRL seconds per optimizer step <= 0.75 on smollm2 and <= 0.85 on qwen05b, mu 1 and 4",
+         "floor": "ours / floor seconds per optimizer step <= 1.25 on both shapes",
+         "memory": "ours / TRL peak private memory per rank (worst rank) <= 1.0 on both shapes"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    p.add_argument("--mus", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one short run per side (CI)")
+    p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    p.add_argument("--workdir", default=None, help="keep run folders here (default: a temp folder, removed)")
+    p.add_argument("--timeout", type=float, default=7200, help="seconds before one run is killed")
+    return p.parse_args(argv)
+
+
+def shape_folder(shape: str, work: Path) -> Path:
+    """The model folder of `shape`, with SmolLM2's tokenizer and chat template."""
+    from real_vs_trl import prepare_model
+
+    smollm2 = prepare_model()
+    if shape == "smollm2":
+        return smollm2
+    from measure import QWEN05B, build_model
+
+    from grpo_recipe.model.tiny import cache_root
+
+    weights = build_model(QWEN05B, cache_root() / "bench-qwen05b-shape")
+    folder = work / "qwen05b"
+    folder.mkdir(parents=True, exist_ok=True)
+    for src in [*weights.iterdir(), *smollm2.glob("tokenizer*"), *smollm2.glob("chat_template*")]:
+        dst = folder / src.name
+        if not dst.exists() and src.is_file() and (src.name.startswith(("tokenizer", "chat_template"))
+                                                   or src.parent == weights):
+            dst.symlink_to(src)
+    return folder
+
+
+def recipe_argv(model: Path, prompts: Path, run: dict, mu: int, steps: int, out: Path) -> list[str]:
+    argv = ["--config", "grpo_recipe/configs/quickstart.yaml", "--model_name_or_path", str(model),
+            "--dataset_name", str(prompts), "--num_iterations", str(mu), "--max_steps", str(steps),
+            "--output_dir", str(out), "--overwrite_output_dir", "true"]
+    for k, v in run.items():
+        argv += [f"--{k}", v if isinstance(v, str) else json.dumps(v)]
+    return argv
+
+
+def write_prompts(model: Path, run: dict, work: Path) -> tuple[Path, Path]:
+    """The recipe's prompt file (question text, formatted by the recipe with the chat template) and TRL's (the
+    same as chat messages; real_vs_trl.chat_prompts checks both sides render the same text)."""
+    import datasets
+    from real_vs_trl import chat_prompts
+
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.model.load import load_tokenizer
+
+    rows = datasets.load_dataset("parquet", data_files=str(REPO / "grpo_recipe/assets/gsm8k_like.parquet"),
+                                 split="train")
+    work.mkdir(parents=True, exist_ok=True)
+    ours, trl = work / "prompts.jsonl", work / "trl_prompts.jsonl"
+    with ours.open("w") as f:
+        for r in rows:
+            f.write(json.dumps({"prompt": r["question"], "answer": r["answer"]}) + "\n")
+    cfg = load_config(recipe_argv(model, ours, run, 1, 2, work / "unused"), world_size=2)
+    chat_prompts(cfg, load_tokenizer(str(model)), trl)
+    return ours, trl
+
+
+def side_command(side: str, model: Path, prompts: dict, run: dict, mu: int, steps: int, run_dir: Path,
+                 ds_file: Path) -> list[str]:
+    from vs_trl import trl_fields
+
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.dist.env import torchrun
+
+    if side == "ours":
+        return torchrun(2, ["-m", "grpo_recipe.train", *recipe_argv(model, prompts["ours"], run, mu, steps,
+                                                                    run_dir / "ours")])
+    cfg = load_config(recipe_argv(model, prompts["ours"], run, mu, steps, run_dir / "ours"), world_size=2)
+    spec = run_dir / f"{side}_spec.json"
+    if side == "trl":
+        spec.write_text(json.dumps({"output_dir": str(run_dir / "trl"), "model": str(model),
+                                    "prompts_file": str(prompts["trl"]), "deepspeed_config": str(ds_file),
+                                    "reward_funcs": cfg.reward_funcs, "chat_prompts": True,
+                                    "grpo_config": trl_fields(cfg, mu, steps, False)}, indent=1))
+        return torchrun(2, [str(REPO / "bench" / "trl_runner.py"), str(spec)])
+    spec.write_text(json.dumps({"output_dir": str(run_dir / "floor"), "model": str(model),
+                                "prompts_file": str(prompts["trl"]), "reward_funcs": cfg.reward_funcs,
+                                "run": {"num_generations": cfg.num_generations,
+                                        "prompts_per_rank": cfg.completions_per_rollout // cfg.num_generations,
+                                        "micro_batch": cfg.per_device_train_batch_size,
+                                        "max_completion_length": cfg.max_completion_length,
+                                        "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                                        "num_iterations": mu, "max_steps": steps,
+                                        "learning_rate": cfg.learning_rate,
+                                        "adam_betas": [cfg.adam_beta1, cfg.adam_beta2],
+                                        "adam_epsilon": cfg.adam_epsilon, "weight_decay": cfg.weight_decay,
+                                        "epsilon": cfg.epsilon, "epsilon_high": cfg.eps_high,
+                                        "seed": cfg.seed}}, indent=1))
+    return torchrun(2, [str(REPO / "bench" / "floor_runner.py"), str(spec)])
+
+
+def read_side(side: str, run_dir: Path, spr: int, completions_per_step: int) -> dict:
+    """Step ends, per-phase seconds per step and completion tokens trained per step, from the side's own logs."""
+    from vs_trl_logs import read_ours, read_trl, summarize_run
+
+    if side == "ours":
+        parsed = read_ours(run_dir / "ours", spr)
+        recs = [json.loads(x) for x in (run_dir / "ours" / "metrics.jsonl").read_text().splitlines()]
+        tokens = [r["train_tokens"] for r in recs[spr:]]
+    else:
+        parsed = read_trl(run_dir / side, spr, 2)
+        history = json.loads((run_dir / side / "log_history.json").read_text())
+        if side == "floor":
+            tokens = [h["train_tokens"] for h in history][spr:]
+        else:  # TRL logs each step's mean completion length over the generation that step trains on
+            lengths = [h["completions/mean_length"] for h in history if "completions/mean_length" in h]
+            tokens = [x * completions_per_step for x in lengths[spr:]]
+    run = summarize_run(parsed, spr)
+    return {**run, "train_tokens_per_step": statistics.fmean(tokens) if tokens else None,
+            "tokens_per_s": statistics.fmean(tokens) / run["sec_per_step"] if tokens else None,
+            "optimizer_steps": parsed["optimizer_steps"]}
+
+
+def summarize(runs: list[dict], shape: str, mus: list[int]) -> dict:
+    """Per mu: each side's median seconds per step and phases, the paired ratios (same repetition), memory."""
+    out = {"by_mu": {}, "step_time_ratio": {}, "floor_ratio": {}}
+    for mu in mus:
+        mine = [r for r in runs if r["shape"] == shape and r["mu"] == mu]
+        reps = sorted({r["rep"] for r in mine})
+        by = {(r["side"], r["rep"]): r for r in mine}
+        entry = {side: {"sec_per_step": statistics.median(by[side, i]["sec_per_step"] for i in reps),
+                        "tokens_per_s": statistics.median(by[side, i]["tokens_per_s"] or 0.0 for i in reps),
+                        "phases_s_per_step": {k: statistics.median(by[side, i]["phases_s_per_step"][k] for i in reps)
+                                              for k in by[side, reps[0]]["phases_s_per_step"]},
+                        "peak_rss_bytes": max(max(by[side, i]["peak_bytes"]) for i in reps)} for side in SIDES}
+        pair = lambda a, b: statistics.median(by[a, i]["sec_per_step"] / by[b, i]["sec_per_step"] for i in reps)  # noqa: E731
+        entry["ours_over_trl"], entry["ours_over_floor"] = pair("ours", "trl"), pair("ours", "floor")
+        out["by_mu"][str(mu)] = entry
+        out["step_time_ratio"][f"mu{mu}"] = entry["ours_over_trl"]
+        out["floor_ratio"][f"mu{mu}"] = entry["ours_over_floor"]
+    peaks = {side: max(max(r["peak_bytes"]) for r in runs if r["shape"] == shape and r["side"] == side)
+             for side in SIDES}
+    out["peak_rss_ratio"] = peaks["ours"] / peaks["trl"]
+    out["peak_rss_bytes"] = peaks
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(result["shapes"])
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    colors = {"generate": "tab:blue", "prepare_rest": "tab:cyan", "forward": "tab:orange", "backward": "tab:red",
+              "other": "tab:gray"}
+    for ax, shape in zip(axes[0], shapes):
+        labels, x = [], 0
+        for mu, entry in result["shapes"][shape]["by_mu"].items():
+            for side in SIDES:
+                ph = entry[side]["phases_s_per_step"]
+                parts = {"generate": ph["generate"], "prepare_rest": ph["prepare"] - ph["generate"],
+                         "forward": ph["forward"], "backward": ph["backward"], "other": ph["other"]}
+                bottom = 0.0
+                for k, v in parts.items():
+                    ax.bar(x, v, bottom=bottom, color=colors[k], label=k if x == 0 else None)
+                    bottom += v
+                labels.append(f"{side}\nmu {mu}")
+                x += 1
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        ax.set_ylabel("seconds per optimizer step")
+        ax.set_title(shape)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out = str(Path(args.out).resolve())
+    os.chdir(REPO)
+    from common import machine, save_json
+    from measure import whole_run_peaks
+    from transformers import AutoConfig
+    from vs_trl import FAIRNESS, run_env, steps_for, trl_ds_config, trl_version, versions
+
+    from grpo_recipe.config.load import load_config
+    from grpo_recipe.model import engine as eng
+
+    version = trl_version(sys.executable)
+    run = dict(RUN, **(SMOKE["run"] if args.smoke else {}))
+    shapes, mus, reps = (SMOKE["shapes"], SMOKE["mus"], SMOKE["reps"]) if args.smoke else (args.shapes, args.mus,
+                                                                                             args.reps)
+    timed = SMOKE["steps"] if args.smoke else TIMED_STEPS
+    work = Path(args.workdir or (Path(args.out) / ".vs_trl_real-work"))
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    name = "vs_trl_real.json"
+    previous = json.loads((out / name).read_text()) if (out / name).is_file() and not args.smoke else {}
+    result = {"benchmark": "vs_trl_real", "goals": GOALS, "design": __doc__.split("The design, declared before the "
+                                                                               "runs:")[1].strip(),
+              "fairness": FAIRNESS, "trl_version": version, "versions": versions(sys.executable), "run": run,
+              "timed_steps": timed, "smoke": args.smoke, "shapes": dict(previous.get("shapes", {})),
+              "runs": [r for r in previous.get("runs", []) if r["shape"] not in shapes],
+              "machine": machine(load_average_at_start=os.getloadavg()),
+              "commands": {"benchmark": "python bench/vs_trl_real.py " + " ".join(argv if argv is not None
+                                                                                 else sys.argv[1:])}}
+    env, t0 = run_env(), time.perf_counter()
+    for shape in shapes:
+        model = shape_folder(shape, work)
+        prompts = dict(zip(("ours", "trl"), write_prompts(model, run, work / shape)))
+        cfg = load_config(recipe_argv(model, prompts["ours"], run, 1, 2, work / "unused"), world_size=2)
+        ds_file = work / shape / "ds_config_trl.json"
+        ds_file.write_text(json.dumps(trl_ds_config(cfg, False, eng.ds_config(
+            cfg, 2, AutoConfig.from_pretrained(model).hidden_size)), indent=1))
+        runs = []
+        for rep in range(reps):
+            for mu in mus:
+                spr = mu * cfg.optimizer_steps_per_pass
+                steps = steps_for(timed + spr, spr)
+                for side in SIDES:
+                    run_dir = work / shape / f"mu{mu}-rep{rep}"
+                    shutil.rmtree(run_dir / side, ignore_errors=True)
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    cmd = side_command(side, model, prompts, run, mu, steps, run_dir, ds_file)
+                    print(f"vs_trl_real: {shape} rep {rep} mu {mu} {side} ({steps} steps)", file=sys.stderr,
+                          flush=True)
+                    load = os.getloadavg()[0]
+                    peaks = whole_run_peaks(cmd, env, REPO, log=run_dir / f"{side}.log")
+                    if peaks["exit_code"] != 0:
+                        tail = "\n".join((run_dir / f"{side}.log").read_text(errors="replace").splitlines()[-25:])
+                        sys.exit(f"vs_trl_real: {shape} {side} mu {mu} failed ({peaks['exit_code']}):\n{tail}")
+                    parsed = read_side(side, run_dir, spr, cfg.completions_per_rollout * 2 // spr)
+                    runs.append({"shape": shape, "side": side, "mu": mu, "rep": rep, "max_steps": steps,
+                                 "load_1m": [load, os.getloadavg()[0]], "wall_s": peaks["wall_s"],
+                                 "peak_bytes": peaks["peak_bytes"], **parsed})
+        result["runs"] += runs
+        result["shapes"][shape] = summarize(runs, shape, mus)
+        result["shapes"][shape]["model"] = model.name
+    result["this_invocation_wall_s"] = time.perf_counter() - t0
+    result["machine"]["load_average_at_end"] = os.getloadavg()
+    save_json(name, result, out)
+    plot(result, out / "vs_trl_real.png")
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    for shape, s in result["shapes"].items():
+        print(f"{shape}: ours/TRL {s['step_time_ratio']}, ours/floor {s['floor_ratio']}, "
+              f"peak memory ours/TRL {s['peak_rss_ratio']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
