@@ -217,6 +217,40 @@ def test_a_checkpoint_corrupted_in_place_is_skipped_for_the_previous_one(tmp_pat
         Checkpointer(cfg, 0, 1).find()
 
 
+@pytest.mark.parametrize("meta,problem", [
+    ([1, 2], "not a JSON object"),
+    ({"world_size": 1, "config": {}, "files": {}}, "no step"),
+    ({"step": "6", "world_size": 1, "config": {}, "files": {}}, 'step is "6"'),
+    ({"step": 6, "world_size": 0, "config": {}, "files": {}}, "world_size is 0"),
+    ({"step": 6, "world_size": 1, "config": [], "files": {}}, "config is []"),
+    ({"step": 6, "world_size": 1, "config": {}, "files": {"ds/shard.pt": -1}}, "files is"),
+    ({"step": 6, "world_size": 1, "config": {}, "files": {}, "checksums": {"a": 1}}, "checksums is"),
+    ({"step": 6, "world_size": 1, "config": {}, "files": {}, "run_id": 7}, "run_id is 7"),
+], ids=["list", "no_step", "step_text", "world_0", "config_list", "negative_size", "checksum_int", "run_id_int"])
+def test_a_meta_json_of_another_shape_is_skipped_in_one_line_never_a_traceback(tmp_path, capsys, meta, problem):
+    """A newest checkpoint whose meta.json parses but is not what the recipe writes (edited, another tool's):
+    `auto` (with and without a lineage) resumes from the previous one and says why; named explicitly, it is
+    refused in one line."""
+    import json
+
+    root = tmp_path / "checkpoints"
+    for step in (3, 6):
+        manifest_checkpoint(root / f"step-{step:08d}", step)
+    good = root / "step-00000003" / "meta.json"
+    good.write_text(json.dumps(json.loads(good.read_text()) | {"run_id": "r"}))  # the lineage's run wrote it
+    (root / "step-00000006" / "meta.json").write_text(json.dumps(meta))
+    cfg = Config(output_dir=str(tmp_path), resume_from_checkpoint="auto")
+    for lineage in (None, [{"run_id": "r", "from_step": 0}]):
+        ck = Checkpointer(cfg, 0, 1)
+        assert ck.find(lineage) == root / "step-00000003"
+        err = capsys.readouterr().err
+        assert f"warning: skipping checkpoint {root / 'step-00000006'}: meta.json is not one this recipe writes: " \
+               f"{problem}" in err, err
+    cfg.resume_from_checkpoint = str(root / "step-00000006")
+    with pytest.raises(CheckpointError, match="meta.json is not one this recipe writes"):
+        Checkpointer(cfg, 0, 1).find()
+
+
 def test_a_save_that_cannot_fit_writes_nothing_and_keeps_the_others(tmp_path):
     manifest_checkpoint(tmp_path / "checkpoints" / "step-00000003", 3)
     ck = Checkpointer(Config(output_dir=str(tmp_path), save_total_limit=2), 0, 1)

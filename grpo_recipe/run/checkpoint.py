@@ -125,6 +125,29 @@ def space_note(save_total_limit: int, needed: int) -> str:
     return f"a checkpoint needs about {mib(needed)}, {keep}"
 
 
+def meta_problem(meta) -> str | None:
+    """What makes a parsed meta.json not of the shape Checkpointer.save writes (an edited file, another tool's, a
+    torn value that still parses); None when it is."""
+    def count(v) -> bool:
+        return type(v) is int and v >= 0
+
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    need = {"step": count, "world_size": lambda v: count(v) and v > 0, "config": lambda v: isinstance(v, dict),
+            "files": lambda v: isinstance(v, dict) and all(isinstance(k, str) and count(n) for k, n in v.items())}
+    for key, ok in need.items():
+        if key not in meta:
+            return f"no {key}"
+        if not ok(meta[key]):
+            return f"{key} is {json.dumps(meta[key])[:60]}"
+    checksums, run_id = meta.get("checksums", {}), meta.get("run_id")
+    if not (isinstance(checksums, dict) and all(isinstance(v, str) for v in checksums.values())):
+        return f"checksums is {json.dumps(checksums)[:60]}"
+    if run_id is not None and not isinstance(run_id, str):
+        return f"run_id is {json.dumps(run_id)[:60]}"
+    return None
+
+
 def rng_state() -> dict:
     np_state = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -313,10 +336,12 @@ class Checkpointer:
 
     @staticmethod
     def meta(folder: Path) -> dict | None:
+        """The checkpoint's meta.json as this recipe writes it; None when it is unreadable or not of that shape."""
         try:
-            return json.loads((folder / "meta.json").read_text())
+            meta = json.loads((folder / "meta.json").read_text())
         except (OSError, ValueError):
             return None
+        return meta if meta_problem(meta) is None else None
 
     def run_id_of(self, folder: Path) -> str | None:
         """The id of the run (segment) that wrote a checkpoint; None for checkpoints older than run ids."""
@@ -331,6 +356,9 @@ class Checkpointer:
             return "no meta.json (the save did not finish)"
         except (OSError, ValueError) as e:
             return f"unreadable meta.json ({e})"
+        shape = meta_problem(meta)
+        if shape is not None:
+            return f"meta.json is not one this recipe writes: {shape}"
         sizes = _file_sizes(folder)
         for rel, size in meta.get("files", {}).items():
             if rel not in sizes:
