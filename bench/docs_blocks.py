@@ -444,6 +444,315 @@ def real_vs_trl_untrained(results: Path) -> str:
     return f"{_load(results, 'real_vs_trl.json')['untrained']['accuracy']:.3f}"
 
 
+# bench/README.md's result tables, one function a table, in the page's order.
+
+
+def mu_sweep_table(results: Path) -> str:
+    """bench/README.md: per mu, the speed-up over mu = 1 to f = 0.5 and 0.8 (median, min-max over seeds),
+    generation's share of a step and the tokens clipped (means over seeds), and the passes per rollout."""
+    r = _load(results, "mu_sweep.json")
+    s = r["summary"]
+    steps = max(len(x["rows"]) for x in r["runs"] if x["mu"] == 1)  # mu = 1: one optimizer step a rollout
+    rows = ["| mu | speed-up vs mu = 1 to f = 0.5 (median, min-max of "
+            f"{len({x['seed'] for x in r['runs']})} seeds) | to f = 0.8 | generation share of step time (mean) | "
+            "tokens clipped (mean) | passes per rollout |",
+            "|---|---|---|---|---|---|"]
+    said_never = False
+    for mu in dict.fromkeys(x["mu"] for x in r["runs"]):
+        runs = [x for x in r["runs"] if x["mu"] == mu]
+        cells = []
+        for f in ("0.5", "0.8"):
+            x = s[f]["speedup_vs_mu1"][str(mu)]
+            if not any(x["per_seed"]):  # no seed reached it
+                cells.append("never" if said_never else f"never reached in {steps} steps")
+                said_never = True
+            elif x["min"] == x["max"]:
+                cells.append(f"{x['median']:g}")
+            else:
+                cells.append(f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})")
+        clipped = statistics.mean(x["clip_ratio_region_mean"] for x in runs)
+        (passes,) = {x["passes_used_mean"] for x in runs}
+        name = f"`{mu}`" if mu == "auto" else mu
+        rows.append(f"| {name} | {cells[0]} | {cells[1]} | "
+                    f"{statistics.mean(x['generation_share'] for x in runs):.2f} | "
+                    f"{f'{clipped:.2f}' if clipped else '0'} | {passes} |")
+    return "\n".join(rows)
+
+
+# reuse_regimes' regimes in bench/README.md's order, with the page's words for each (the JSON's `about` is the
+# script's shorter label); the table fails when the JSON's regimes are not these.
+REGIMES_WHAT = {
+    "trl_lr1e-3": "the regime TRL 1.16 was compared in: length reward, 64 new tokens, 32 completions/step, lr 1e-3",
+    "short_lr3e-4": "the same at lr 3e-4",
+    "short_lr1e-4": "the same at lr 1e-4 (a step barely moves the policy)",
+    "h128_short_lr3e-4": "`short_lr3e-4` with the hidden-128 model",
+    "mid_lr6e-4": "128 new tokens, 16 completions/step (2 micro-batches), lr 6e-4",
+    "long_lr1e-3": "256 new tokens, 8 completions/step, lr 1e-3",
+    "long_g4_lr3e-4": "256 new tokens, G = 4 and 4 completions/step, lr 3e-4",
+    "vowel_b16_lr3e-4": "length-neutral reward (vowel share), 256 new tokens, G = 4, 16 completions/step, lr 3e-4",
+    "noe_b16_gather_lr3e-4": "`noe_b16_lr3e-4` with ZeRO-3 generation gathering layer by layer",
+    "noe_b16_gather_lr1.5e-4": "the same at lr 1.5e-4",
+    "h128_long_lr6e-4": "hidden 128, 256 new tokens, 8 completions/step, lr 6e-4",
+    "space_b16_lr1e-3": "a second length-neutral reward (space share), 128 new tokens, G = 4, 16 completions/step, "
+                        "lr 1e-3",
+    "vowel_b8_lr3e-4": "`vowel_b16_lr3e-4` with 8 completions/step",
+    "vowel_b4_lr1e-3": "the vowel reward, G = 4, 4 completions/step, lr 1e-3",
+    "noe_b4_lr1e-3": "`vowel_b4_lr1e-3`'s shape with a trap-free reward (share of characters that are not an e)",
+    "noe_b16_lr3e-4": "`vowel_b16_lr3e-4`'s shape with the trap-free reward",
+}
+
+
+def _regimes(results: Path) -> dict:
+    r = _load(results, "reuse_regimes.json")
+    if set(r["regimes"]) != set(REGIMES_WHAT):
+        raise SystemExit(f"reuse_regimes.json's regimes differ from REGIMES_WHAT in bench/docs_blocks.py: "
+                         f"{sorted(set(r['regimes']) ^ set(REGIMES_WHAT))}")
+    return r
+
+
+def regimes_table(results: Path) -> str:
+    """bench/README.md: each regime, whether the rule was designed on it, g at mu = 1 and its budget."""
+    regimes = _regimes(results)["regimes"]
+    rows = ["| regime | what | designed on | g | budget |", "|---|---|---|---|---|"]
+    for name, what in REGIMES_WHAT.items():
+        x = regimes[name]
+        rows.append(f"| `{name}` | {what} | {'yes' if x['designed_on'] else 'no'} | "
+                    f"{x['generation_share_mu1']:.2f} | {x['budget_s']:g} |")
+    return "\n".join(rows)
+
+
+def _speedup_cell(x: dict) -> str:
+    """A median speed-up as reuse_report's tables write it: "-" when no seed's is known, "never" when only mu = 1
+    got there, "≥" when a lower bound at or below the median could raise it."""
+    m = x["median"]
+    if m is None or m == 0.0:
+        return "-" if m is None else "never"
+    bound = any(b and v is not None and v <= m for v, b in zip(x["per_seed"], x["per_seed_is_lower_bound"]))
+    return ("≥" if bound else "") + f"{m:.2f}"
+
+
+def regimes_verdict_table(results: Path) -> str:
+    """bench/README.md: `auto` per regime, to 50/80/90% on the priced clock, against the best fixed mu, and the bars."""
+    r = _regimes(results)
+    rows = ["| regime | `auto` to 50 / 80 / 90% | best fixed mu, to 80% | `auto` / best | passes per rollout | "
+            "seeds | both bars |", "|---|---|---|---|---|---|---|"]
+    for name in REGIMES_WHAT:
+        variants, v = r["regimes"][name]["variants"], r["verdicts"][name]
+        auto = variants["auto"]
+        to = " / ".join(_speedup_cell(auto[f]) for f in ("0.5", "0.8", "0.9"))
+        if v["best_fixed"] is not None:
+            best, over = f"mu = {v['best_fixed_mu']}: {v['best_fixed']:.2f}", f"{v['auto_over_best']:.2f}"
+        else:  # no fixed mu reached 80%: the best to 50%
+            half = {mu: x["0.5"]["median"] or 0.0 for mu, x in variants.items() if mu.isdigit()}
+            mu = max(half, key=half.get)
+            best = f"none got there (to 50%: mu = {mu}, {half[mu]:.2f})"
+            over = f"(to 50%: {auto['0.5']['median'] / half[mu]:.2f})"
+        bars = "pass" if v["no_later_than_mu1"] and v["within_10pct_of_best"] else "fail"
+        rows.append(f"| `{name}` | {to} | {best} | {over} | {auto['passes_used_mean']:.2f} | "
+                    f"{len(auto['0.8']['per_seed'])} | {bars} |")
+    return "\n".join(rows)
+
+
+VS_TRL_FILES = {"accelerate's": "vs_trl.json", "the recipe's": "vs_trl_recipe_zero.json"}  # TRL's ZeRO sizes
+
+
+def vs_trl_table(results: Path) -> str:
+    """bench/README.md: seconds per step, generation and reward at the same budget, ours and TRL's, both ZeRO sizes."""
+    rows = ["| TRL's ZeRO sizes | mu | s/step ours | s/step TRL | ratio | generate s ours | generate s TRL | "
+            "reward after the same budget, ours / TRL |", "|---|---|---|---|---|---|---|---|"]
+    for sizes, file in VS_TRL_FILES.items():
+        for mu, x in _load(results, file)["by_mu"].items():
+            step, gen, reward = x["sec_per_step"], x["generate_s_median"], x["reward_at_budget"]
+            rows.append(f"| {sizes} | {mu} | {step['ours']:.2f} | {step['trl']:.2f} | **{step['ratio']:.2f}** | "
+                        f"{gen['ours']:.2f} | {gen['trl']:.2f} | {reward['ours']:.2f} / {reward['trl']:.2f} |")
+    return "\n".join(rows)
+
+
+def vs_trl_phases_table(results: Path) -> str:
+    """bench/README.md: each side's seconds per optimizer step by phase, both ZeRO sizes, mu = 1 and 4."""
+    rows = ["| TRL's ZeRO sizes | mu | side | prepare | of it generation | forward + loss | backward + optimizer | "
+            "other | step |", "|---|---|---|---|---|---|---|---|---|"]
+    for sizes, file in VS_TRL_FILES.items():
+        for mu, x in _load(results, file)["by_mu"].items():
+            for side, label in (("ours", "ours"), ("trl", "TRL")):
+                p = x["phases_s_per_step"][side]
+                rows.append(f"| {sizes} | {mu} | {label} | " + " | ".join(
+                    f"{p[k]:.3f}" for k in ("prepare", "generate", "forward", "backward", "other", "step")) + " |")
+    return "\n".join(rows)
+
+
+def breakdown_table(results: Path) -> str:
+    """bench/README.md: seconds per step and each phase's share of it, the quickstart config."""
+    b = _load(results, "breakdown.json")["base"]
+    s = b["shares"]
+    return "\n".join([
+        "| config (quickstart: G = 8, 32 tokens, mu = 4, 2 ranks) | s/step | generate | forward | backward | "
+        "optimizer | everything else |", "|---|---|---|---|---|---|---|",
+        f"| {b['name']} | {b['step_time_s']:.2f} | {s['generate']:.0%} | {s['forward']:.0%} | {s['backward']:.0%} | "
+        f"{s['optimizer']:.0%} | **{s['everything_else']:.0%}** |"])
+
+
+def memory_table(results: Path) -> str:
+    """bench/README.md: old log-probs, rollout buffer and peak RSS per rank, by world size and mu."""
+    one_or_each = lambda xs, fmt: ", ".join(fmt(x) for x in dict.fromkeys(xs))  # noqa: E731
+    rows = ["| world size | mu | old log-probs per rank | rollout buffer per rank | peak RSS per rank |",
+            "|---|---|---|---|---|"]
+    for r in _load(results, "memory.json")["rows"]:
+        rows.append(f"| {r['world_size']} | {r['mu']} | {one_or_each(r['old_logp_bytes_per_rank'], str)} B | "
+                    f"{one_or_each(r['rollout_buffer_bytes_per_rank'], '{:,}'.format)} B | "
+                    f"{', '.join(f'{x:.0f}' for x in r['peak_rss_mib_per_rank'])} MiB |")
+    return "\n".join(rows)
+
+
+def lora_memory_bench_table(results: Path) -> str:
+    """bench/README.md: lora_memory_table's figures (rank 0) as bench/README.md writes them."""
+    r = _load(results, "lora_memory.json")
+
+    def mib(b: float) -> str:  # three significant figures below 2 MiB, two up to 100, whole MiB from there
+        x = b / 2**20
+        return f"{x:.3g} MiB" if x < 2 else f"{x:.2g} MiB" if x < 100 else f"{x:.0f} MiB"
+
+    params = lambda n: f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"  # noqa: E731
+    c = r["bigger_config"]
+    names = {"tiny": ("tiny", "tiny"), "bigger": (f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers",
+                                                   "same")}
+    rows = ["| model | trainable params | optimizer state (Adam moments; the fp32 master is the parameter partition "
+            "itself) | gradient partition | peak RSS |", "|---|---|---|---|---|"]
+    for model, (name, again) in names.items():
+        full, lora = r["models"][model]["full"][0], r["models"][model]["lora"][0]
+        ratio = lora["optimizer_state_bytes"] / full["optimizer_state_bytes"]
+        rows.append(f"| {name} ({full['params_total'] / 1e6:.2g}M), full | {params(full['params_trainable'])} | "
+                    f"{mib(full['optimizer_state_bytes'])} | {mib(full['grad_partition_bytes'])} | "
+                    f"{full['peak_rss_bytes'] / 2**20:.0f} MiB |")
+        rows.append(f"| {again}, LoRA r = {r['lora']['lora_r']} | {params(lora['params_trainable'])} | "
+                    f"{mib(lora['optimizer_state_bytes'])} ({ratio:.2g}x) | {mib(lora['grad_partition_bytes'])} | "
+                    f"{lora['peak_rss_bytes'] / 2**20:.0f} MiB |")
+    return "\n".join(rows)
+
+
+def vllm_vs_hf_table(results: Path) -> str:
+    """bench/README.md: transformers' and vLLM's tokens/s and the sync per rollout, short and long completions."""
+    rows = ["| file | completions per rank, max tokens | hf tokens/s | vLLM tokens/s | vLLM / hf | sync per rollout |",
+            "|---|---|---|---|---|---|"]
+    for file in ("vllm_vs_hf.json", "vllm_vs_hf_long.json"):
+        r = _load(results, file)
+        s = r["setup"]
+        args = re.sub(r"\s*--out \S+", "", r["command"].split("bench/vllm_vs_hf.py", 1)[1]).strip()
+        rows.append(f"| `{file}`{f' (`{args}`)' if args else ''} | "
+                    f"{s['prompts_per_rank_per_rollout'] * s['num_generations']} x {s['max_completion_length']} "
+                    f"({s['rollouts_measured']} rollouts) | {r['hf']['tokens_per_s']:.0f} | "
+                    f"{r['vllm']['tokens_per_s']:.0f} | {r['vllm_speedup']:.2f} | "
+                    f"{r['sync_s_per_rollout']['mean'] * 1e3:.0f} ms |")
+    return "\n".join(rows)
+
+
+# The adapter row's figures given also as adapter / merged, per model (the tiny model's sync time ratio is not).
+LORA_VLLM_RATIOS = {"tiny": ("sync_bytes_per_rank", "tokens_per_s", "rollout_s"),
+                    "qwen05b": ("sync_bytes_per_rank", "sync_s", "tokens_per_s", "rollout_s")}
+
+
+def lora_vllm_table(results: Path) -> str:
+    """bench/README.md: merged against adapter sync into vLLM per model (medians), the faster per rollout in bold."""
+    summary = _load(results, "lora_vllm.json")["summary"]
+    sec = lambda x: f"{x:#.2g}" if x < 1 else f"{x:.1f}"  # noqa: E731
+    rows = ["| model | mode | bytes per sync, per rank | s per sync | generation s per rollout | tokens/s | "
+            "sync + generation s | peak RSS per rank |", "|---|---|---|---|---|---|---|---|"]
+    for model, shown in LORA_VLLM_RATIOS.items():
+        s = summary[model]
+        for mode in ("merged", "adapter"):
+            x = s[mode]
+            cell = {"sync_bytes_per_rank": f"{x['sync_bytes_per_rank']:,.0f}", "sync_s": sec(x["sync_s"]),
+                    "generate_s": sec(x["generate_s"]),
+                    "tokens_per_s": f"{x['tokens_per_s']:.0f}" if x["tokens_per_s"] >= 100
+                    else f"{x['tokens_per_s']:.1f}", "rollout_s": sec(x["rollout_s"])}
+            if mode == "adapter":
+                for k in shown:
+                    cell[k] += f" ({s['adapter_over_merged'][k]:#.2g}x)"
+            if mode == s["faster_per_rollout"]:
+                cell["rollout_s"] = f"**{cell['rollout_s']}**"
+            rows.append(f"| {model} | {mode} | " + " | ".join(cell[k] for k in (
+                "sync_bytes_per_rank", "sync_s", "generate_s", "tokens_per_s", "rollout_s"))
+                + f" | {x['peak_rss_mib_per_rank']:.0f} MiB |")
+    return "\n".join(rows)
+
+
+def scale_table(results: Path) -> str:
+    """bench/README.md: each part of scale.json, the plain approach against the recipe, and its goal."""
+    s = _load(results, "scale.json")
+    met = lambda ok: "met" if ok else "missed"  # noqa: E731
+    start = s["startup"]
+    row = {(r["world"], r["models"]): r for r in start["rows"]}
+
+    def load(models: str, side: str, key: str) -> str:  # world 1 / 2, the worse rank; the recipe's world 2 in bold
+        w1, w2 = (f"{max(row[w, models][side][key]):.2f}" for w in (1, 2))
+        return f"{w1} / **{w2}**" if side == "after" else f"{w1} / {w2}"
+
+    peak = row[2, "policy+reference"]
+    why = "" if start["goal_met_for_startup_peak"] else " (DeepSpeed's optimizer set-up)"
+    lp = {(r["dtype"], r["gradient_checkpointing"]): r for r in s["logprob"]["rows"]}
+    bf, ck, no = lp["bf16", True], lp["fp32", True], lp["fp32", False]
+    shape = bf["shape"]
+    ok = s["logprob"]["goal_met"]
+    t = s["throughput"]["row"]
+    w, w_ok = s["whole_run"]["default_policy_worst"], s["whole_run"]["goal_met"]
+    whole = met(w_ok["1"]) if w_ok["1"] == w_ok["2"] else f"{met(w_ok['1'])} / {met(w_ok['2'])}"
+    loading = met(start["goal_met_for_loading"])
+    return "\n".join([
+        "| part | plain | recipe | goal |", "|---|---|---|---|",
+        f"| loading the policy, per rank, x the fp32 model, world 1 / 2 | "
+        f"{load('policy', 'before', 'policy_load_added')} | {load('policy', 'after', 'policy_load_added')} | "
+        f"falling as 1/world: {loading} |",
+        f"| loading the reference (`beta > 0`), world 1 / 2 | {load('reference', 'before', 'reference_added')} | "
+        f"{load('reference', 'after', 'reference_added')} | {loading} |",
+        f"| whole start-up peak of a CPU rank, world 2, policy + reference | "
+        f"{max(peak['before']['startup_peak']):.2f} | {max(peak['after']['startup_peak']):.2f} | "
+        f"<= 0.6: {met(start['goal_met_for_startup_peak'])}{why} |",
+        f"| one micro-batch's log-prob forward and backward (B = {shape['batch']}, prompt {shape['prompt']}, "
+        f"completion {shape['completion']}), bf16, checkpointing | {bf['before']['peak_mib']} MiB | "
+        f"{bf['after']['peak_mib']} MiB (**{bf['after_over_before']:.2f}x**) | "
+        f"<= 0.5x: {met(ok['bf16, checkpointing True'])} |",
+        f"| the same in fp32, checkpointing / none | {ck['before']['peak_mib']} / {no['before']['peak_mib']} MiB | "
+        f"{ck['after']['peak_mib']} / {no['after']['peak_mib']} MiB (**{ck['after_over_before']:.2f}x** / "
+        f"**{no['after_over_before']:.2f}x**) | {met(ok['fp32, checkpointing True'])} / "
+        f"{met(ok['fp32, checkpointing False'])} |",
+        f"| training tokens/s, completion lengths uniform in 16..512, bf16 | {t['before']['tokens_per_s']:.1f} | "
+        f"{t['after']['tokens_per_s']:.1f} (**{t['speedup']:.2f}x**; {t['speedup_cpu_time']:.2f}x per CPU second) | "
+        f">= 1.5x: {met(s['throughput']['goal_met'])} |",
+        f"| the whole run's peak per rank, default environment, mu = 2, world 1 / 2 | | {w['1']:.2f}x / "
+        f"**{w['2']:.2f}x** the fp32 model | <= 5.0x / 3.0x: {whole} |"])
+
+
+def separate_table(results: Path) -> str:
+    """bench/README.md: per layout, seconds per rollout split into waiting and training, the generation rank's busy
+    time, the share hidden and the reward over the last half (medians over seeds)."""
+    v = _separate(results)["variants"]
+    names = {"colocated": "colocated", "separate_s0": "separate, staleness 0", "separate_s1": "separate, staleness 1"}
+    sec = lambda x: f"{x:.2f}" if x >= 0.01 else f"{x:.1g}"  # noqa: E731
+    rows = ["| layout | s per rollout | trainers waited | training | generation rank busy | hidden | "
+            "reward, last half |", "|---|---|---|---|---|---|---|"]
+    best = max(v, key=lambda k: v[k]["hidden_fraction"])
+    for key, name in names.items():
+        x = v[key]
+        separate = x["generator_busy_s"] is not None
+        hidden = f"{x['hidden_fraction']:.2f}" if separate else "-"
+        rows.append(f"| {name} | {sec(x['rollout_s'])} | {sec(x['wait_s'])} | {sec(x['train_s'])} | "
+                    f"{sec(x['generator_busy_s']) if separate else '-'} | "
+                    f"{f'**{hidden}**' if key == best else hidden} | {x['reward_last_half']:.2f} |")
+    return "\n".join(rows)
+
+
+def smollm2_table(results: Path) -> str:
+    """bench/README.md: held-out greedy accuracy before and after training, on the 300 questions and the 1000 more."""
+    r = _load(results, "smollm2_arith.json")
+    rows = ["| held-out set | before | after | gain | paired McNemar p |", "|---|---|---|---|---|"]
+    for key, label in (("eval", "questions"), ("confirm", "further questions")):
+        e = r[key]
+        rows.append(f"| {e['n']} {label} | {e['accuracy_before']:.3f} (s.e. {e['stderr_before']:.3f}) | "
+                    f"**{e['accuracy_after']:.3f}** (s.e. {e['stderr_after']:.3f}) | {e['gain']:+.3f} "
+                    f"({e['gain_in_stderrs']:.1f} s.e.) | {_sci(e['paired']['mcnemar_exact_p'])} |")
+    return "\n".join(rows)
+
+
 BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "lora-optimizer-state": lora_optimizer_state, "vllm-speedup": vllm_speedup,
           "smollm2-learns": smollm2_learns, "whole-run-memory": whole_run_memory,
@@ -468,7 +777,13 @@ BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "scale-throughput": scale_throughput, "scale-same-update": scale_same_update,
           "scale-positions": scale_positions, "whole-run-per-layer": whole_run_per_layer,
           "old-logp-per-rank": old_logp_per_rank, "smollm2-training": smollm2_training,
-          "real-vs-trl-untrained": real_vs_trl_untrained}
+          "real-vs-trl-untrained": real_vs_trl_untrained,
+          "mu-sweep-table": mu_sweep_table, "regimes-table": regimes_table,
+          "regimes-verdict-table": regimes_verdict_table, "vs-trl-table": vs_trl_table,
+          "vs-trl-phases-table": vs_trl_phases_table, "breakdown-table": breakdown_table,
+          "memory-table": memory_table, "lora-memory-bench-table": lora_memory_bench_table,
+          "vllm-vs-hf-table": vllm_vs_hf_table, "lora-vllm-table": lora_vllm_table, "scale-table": scale_table,
+          "separate-table": separate_table, "smollm2-table": smollm2_table}
 
 
 def pages(root: Path) -> list[Path]:

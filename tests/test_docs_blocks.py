@@ -35,7 +35,8 @@ def test_a_wrong_figure_in_a_page_or_a_changed_results_file_is_caught(tmp_path):
     page.write_text(text)
     lora = root / "results" / "lora_vllm.json"
     lora.write_text(lora.read_text().replace('"peak_rss_mib_per_rank": 6983.115234375', '"peak_rss_mib_per_rank": 9600'))
-    assert differing(root, root / "results") == ["docs/scaling.md: lora-vllm-peaks"]
+    assert sorted(differing(root, root / "results")) == ["bench/README.md: lora-vllm-table",
+                                                         "docs/scaling.md: lora-vllm-peaks"]
 
 
 def test_a_changed_results_file_is_caught_on_every_page_that_holds_its_block(tmp_path):
@@ -43,5 +44,16 @@ def test_a_changed_results_file_is_caught_on_every_page_that_holds_its_block(tmp
     sep = root / "results" / "separate_generation.json"
     sep.write_text(sep.read_text().replace('"wait_s": 0.0032429670027340762', '"wait_s": 0.0132429670027340762', 1))
     assert sorted(differing(root, root / "results")) == ["bench/README.md: separate-overlap",
+                                                         "bench/README.md: separate-table",
                                                          "docs/benchmarks.md: separate-overlap",
                                                          "docs/scaling.md: separate-overlap"]
+
+
+def test_a_wrong_figure_in_a_result_table_of_bench_readme_is_caught(tmp_path):
+    root = scratch(tmp_path)
+    page = root / "bench" / "README.md"
+    text = page.read_text()
+    # the scale table's whole-run peak at world 2 as it was typed by hand (scale.json: 2.896)
+    assert text.count("**2.90x** the fp32 model") == 1
+    page.write_text(text.replace("**2.90x** the fp32 model", "**2.89x** the fp32 model"))
+    assert differing(root, root / "results") == ["bench/README.md: scale-table"]
