@@ -221,7 +221,8 @@ def high_entropy_masks(engine, buf: RolloutBuffer, micro_batches: list[torch.Ten
         mask = mb["completion_mask"]
         entropies.append((forward_logps(engine, mb["input_ids"], mb["attention_mask"], mask.shape[1],
                                         cfg.temperature, with_entropy=True)[1], mask))
-    every = all_gather_values(torch.cat([h[m.bool()] for h, m in entropies]).float())
+    mine = [h[m.bool()].float() for h, m in entropies]
+    every = all_gather_values(torch.cat(mine) if mine else torch.zeros(0, device=device()))
     if every.numel() == 0:
         return [torch.zeros_like(m) for _, m in entropies]
     threshold = quantile(every, 1.0 - cfg.top_entropy_quantile)
@@ -244,7 +245,7 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
         with timer("forward"):
             keep = high_entropy_masks(engine, buf, micro_batches, cfg)
         # the bonus is a mean over the tokens kept, in the whole step over all ranks
-        kept = all_reduce(sum(k.sum() for k in keep).reshape(1).to(device()))
+        kept = all_reduce(sum((k.sum() for k in keep), torch.zeros((), device=device())).reshape(1))
         bonus_normalizer = kept.clamp(min=1.0).item() / dist.get_world_size()
     for idx, entropy_mask in zip(micro_batches, keep):
         mb = _to_device(buf.micro_batch(idx))
