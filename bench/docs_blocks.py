@@ -753,6 +753,198 @@ def smollm2_table(results: Path) -> str:
     return "\n".join(rows)
 
 
+# docs/scaling.md's figures and tables, in the page's order.
+
+
+def scale_machine(results: Path) -> str:
+    """docs/scaling.md: the machine scale.json was measured on."""
+    m = _load(results, "scale.json")["machine"]
+    return (f"{m['cpus']} CPU cores ({m['cpu_model']}), {m['memory_gib']:g} GiB of memory, "
+            f"{'no GPU' if m['gpu'] is None else m['gpu']}, Python {m['python']}, torch {m['torch']}")
+
+
+def scale_fp32_model(results: Path) -> str:
+    """docs/scaling.md: the 0.5B shape's fp32 bytes, the unit of its memory figures."""
+    return f"{_load(results, 'scale.json')['whole_run']['fp32_model_bytes'] / 1e9:.2f} GB"
+
+
+# scale.json's whole-run rows, (world, `what`) in the page's order, with the page's words for each; the table fails
+# when the JSON's rows are not these.
+WHOLE_RUN_ROWS = {(1, "policy"): "policy", (2, "policy"): "policy",
+                  (2, "policy, per_layer generation"): "policy, `hf_generation_gather: per_layer`",
+                  (2, "policy + reference (beta 0.04)"): "policy + reference (`beta 0.04`)",
+                  (1, "LoRA"): "LoRA (quickstart_lora, `save_merged`)", (2, "LoRA"): "LoRA"}
+
+
+def _whole_run_rows(results: Path) -> dict:
+    rows = {(r["world"], r["what"]): r for r in _load(results, "scale.json")["whole_run"]["rows"]}
+    if set(rows) != set(WHOLE_RUN_ROWS):
+        raise SystemExit(f"scale.json's whole_run rows differ from WHOLE_RUN_ROWS in bench/docs_blocks.py: "
+                         f"{sorted(set(rows) ^ set(WHOLE_RUN_ROWS))}")
+    return rows
+
+
+def whole_run_table(results: Path) -> str:
+    """docs/scaling.md: the whole run's peak per rank (the worse rank, or each where they differ by more than 0.1x),
+    the default policy runs in bold, and the two rollouts' generation seconds."""
+    rows = _whole_run_rows(results)
+    out = ["| world | run | peak per rank | generation s (2 rollouts) |", "|---|---|---|---|"]
+    for key, label in WHOLE_RUN_ROWS.items():
+        r = rows[key]
+        x, gib = r["peak_x_fp32"], r["peak_gib"]
+        if max(x) - min(x) > 0.1:
+            peak = (" / ".join(f"{v:.2f}x" for v in x) + f" ({' / '.join(f'{g:.1f}' for g in gib)} GiB, rank "
+                    + " / ".join(str(i) for i in range(len(x))) + ")")
+        else:
+            worst = max(range(len(x)), key=x.__getitem__)
+            peak = f"{x[worst]:.2f}x"
+            peak = f"{f'**{peak}**' if key[1] == 'policy' and not r['args'] else peak} ({gib[worst]:.1f} GiB)"
+        gen = ", ".join(f"{s:.1f}" for s in r["generate_s"] if s)  # rollouts' first steps: the others generate none
+        out.append(f"| {key[0]} | {label} | {peak} | {gen} |")
+    return "\n".join(out)
+
+
+def whole_run_goal_met(results: Path) -> str:
+    """docs/scaling.md: whether the whole run met its goals at world 1 and 2."""
+    met = _load(results, "scale.json")["whole_run"]["goal_met"]
+    if all(met.values()) or not any(met.values()):
+        return "both met" if all(met.values()) else "both missed"
+    return "; ".join(f"{'met' if ok else 'missed'} at world {w}" for w, ok in met.items())
+
+
+def whole_run_per_layer_slower(results: Path) -> str:
+    """docs/scaling.md: `per_layer` generation's seconds against `full`'s at world 2 (both rollouts summed)."""
+    rows = _whole_run_rows(results)
+    per_layer, full = (sum(rows[2, what]["generate_s"]) for what in ("policy, per_layer generation", "policy"))
+    return f"{per_layer / full:.1f} times"
+
+
+def whole_run_peak_world_2(results: Path) -> str:
+    """docs/scaling.md: the whole run's peak per rank at world 2, default environment (the worse rank)."""
+    return f"{_load(results, 'scale.json')['whole_run']['default_policy_worst']['2']:.2f}x"
+
+
+def scale_startup_table(results: Path) -> str:
+    """docs/scaling.md: per world and models, loading the policy / reference (plain, recipe) and the start-up peak,
+    the worse rank; the recipe's world 2 in bold."""
+    rows = {(r["world"], r["models"]): r for r in _load(results, "scale.json")["startup"]["rows"]}
+    out = ["| world | models | plain: load policy / reference | recipe: load policy / reference | "
+           "start-up peak, plain -> recipe |", "|---|---|---|---|---|"]
+    for world in (1, 2):
+        for models, label in (("policy", "policy"), ("policy+reference", "policy + reference")):
+            r = rows[world, models]
+            cells = []
+            for side in ("before", "after"):
+                load = [f"{max(r[side][k]):.2f}" for k in ("policy_load_added", "reference_added") if k in r[side]]
+                text = " / ".join(load)
+                cells.append((f"**{text}**" if side == "after" and world == 2 else text)
+                             + (" / -" if len(load) == 1 else ""))
+            out.append(f"| {world} | {label} | {cells[0]} | {cells[1]} | {max(r['before']['startup_peak']):.2f} -> "
+                       f"{max(r['after']['startup_peak']):.2f} |")
+    return "\n".join(out)
+
+
+def scale_startup_peak(results: Path) -> str:
+    """docs/scaling.md: the recipe's whole start-up peak of a CPU rank at world 2 (the worse rank)."""
+    return f"{_load(results, 'scale.json')['startup']['startup_peak_at_world_2_worst']:.2f}x"
+
+
+def scale_logprob_table(results: Path) -> str:
+    """docs/scaling.md: a micro-batch's log-prob forward and backward, peak MiB and seconds, plain against recipe."""
+    out = ["| dtype | gradient checkpointing | plain | recipe | recipe / plain | seconds, plain / recipe |",
+           "|---|---|---|---|---|---|"]
+    for r in _load(results, "scale.json")["logprob"]["rows"]:
+        b, a = r["before"], r["after"]
+        out.append(f"| {r['dtype']} | {'on' if r['gradient_checkpointing'] else 'off'} | {b['peak_mib']} | "
+                   f"{a['peak_mib']} | **{r['after_over_before']:.2f}** | {b['seconds']:.1f} / {a['seconds']:.1f} |")
+    return "\n".join(out)
+
+
+def scale_logprob_goal_met(results: Path) -> str:
+    """docs/scaling.md: whether each log-prob row met its goal (at most 0.5x)."""
+    met = _load(results, "scale.json")["logprob"]["goal_met"]
+    return "both met" if all(met.values()) else "missed for " + ", ".join(k for k, ok in met.items() if not ok)
+
+
+def scale_logprob_extra_time(results: Path) -> str:
+    """docs/scaling.md: the range of the recipe's extra seconds over the plain computation's, over the rows."""
+    rows = _load(results, "scale.json")["logprob"]["rows"]
+    extra = [r["after"]["seconds"] / r["before"]["seconds"] - 1 for r in rows]
+    return f"{min(extra) * 100:.0f}-{max(extra) * 100:.0f}%"
+
+
+def scale_throughput_detail(results: Path) -> str:
+    """docs/scaling.md: training tokens/s and seconds of the step, plain against recipe, and the speed-ups."""
+    t = _load(results, "scale.json")["throughput"]
+    r = t["row"]
+    b, a = r["before"], r["after"]
+    return (f"plain {b['tokens_per_s']:.1f} tokens/s ({b['seconds']:.1f} s for the step), recipe "
+            f"{a['tokens_per_s']:.1f} ({a['seconds']:.1f} s), {r['speedup']:.2f}x (goal 1.5x, "
+            f"{'met' if t['goal_met'] else 'missed'}; {r['speedup_cpu_time']:.2f}x per CPU second)")
+
+
+# README.md's caption of the mu sweep.
+
+
+def mu_sweep_auto_pass_count(results: Path) -> str:
+    """README.md: the passes per rollout `auto` took in the quickstart's regime."""
+    return f"{_mu_sweep_auto_passes(results)} passes per rollout"
+
+
+def mu_sweep_auto_half(results: Path) -> str:
+    """README.md: `auto`'s speed-up over mu = 1 to f = 0.5 (median over seeds)."""
+    return f"{_load(results, 'mu_sweep.json')['summary']['0.5']['speedup_vs_mu1']['auto']['median']:.2f}x"
+
+
+# docs/findings-reuse-default.md's "What the map says now".
+
+NUMBER_WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+# the regimes at lr 3e-4 and below with the hidden-64 model and 8 or more completions per step (REGIMES_WHAT)
+LOW_DRIFT_REGIMES = ("short_lr3e-4", "short_lr1e-4", "vowel_b16_lr3e-4", "vowel_b8_lr3e-4", "noe_b16_lr3e-4",
+                     "noe_b16_gather_lr3e-4", "noe_b16_gather_lr1.5e-4")
+
+
+def regimes_bars_held_out(results: Path) -> str:
+    """docs/findings-reuse-default.md: in how many regimes both bars pass on the priced clock, and how many of them
+    were held out from the rule's design."""
+    r = _regimes(results)
+    v = r["verdicts"]
+    both = sum(x["no_later_than_mu1"] and x["within_10pct_of_best"] for x in v.values())
+    held = sum(not x["designed_on"] for x in r["regimes"].values())
+    held = NUMBER_WORDS[held] if held < len(NUMBER_WORDS) else str(held)
+    return (f"{'all' if both == len(v) else f'{both} of'} {len(v)} regimes, {held} of them held out from the rule's "
+            f"design")
+
+
+def _passes_range(results: Path, low_drift: bool) -> str:
+    regimes = _regimes(results)["regimes"]
+    if not set(LOW_DRIFT_REGIMES) <= set(regimes):
+        raise SystemExit(f"LOW_DRIFT_REGIMES in bench/docs_blocks.py names regimes reuse_regimes.json lacks: "
+                         f"{sorted(set(LOW_DRIFT_REGIMES) - set(regimes))}")
+    passes = [x["variants"]["auto"]["passes_used_mean"] for name, x in regimes.items()
+              if (name in LOW_DRIFT_REGIMES) == low_drift]
+    return f"{min(passes):.1f}-{max(passes):.1f}"
+
+
+def regimes_low_drift_passes(results: Path) -> str:
+    """docs/findings-reuse-default.md: `auto`'s passes per rollout (mean) over LOW_DRIFT_REGIMES."""
+    return _passes_range(results, True)
+
+
+def regimes_other_passes(results: Path) -> str:
+    """docs/findings-reuse-default.md: `auto`'s passes per rollout (mean) over the other regimes."""
+    return f"{_passes_range(results, False)} per rollout"
+
+
+def regimes_gather_gains(results: Path) -> str:
+    """docs/findings-reuse-default.md: `auto` against mu = 1 to 80% in the two regimes where generation dominates."""
+    r = _regimes(results)
+    at = [(r["verdicts"][name]["auto"], f"{r['regimes'][name]['generation_share_mu1']:.2f}", name.rsplit("_lr", 1)[1])
+          for name in GATHER_REGIMES]
+    (x1, g1, lr1), (x2, g2, lr2) = at
+    return f"{x1:.2f}x at g = {g1} and lr {lr1}, {x2:.2f}x at {'the same g' if g1 == g2 else f'g = {g2}'} and lr {lr2}"
+
+
 BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "lora-optimizer-state": lora_optimizer_state, "vllm-speedup": vllm_speedup,
           "smollm2-learns": smollm2_learns, "whole-run-memory": whole_run_memory,
@@ -783,7 +975,16 @@ BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "vs-trl-phases-table": vs_trl_phases_table, "breakdown-table": breakdown_table,
           "memory-table": memory_table, "lora-memory-bench-table": lora_memory_bench_table,
           "vllm-vs-hf-table": vllm_vs_hf_table, "lora-vllm-table": lora_vllm_table, "scale-table": scale_table,
-          "separate-table": separate_table, "smollm2-table": smollm2_table}
+          "separate-table": separate_table, "smollm2-table": smollm2_table,
+          "scale-machine": scale_machine, "scale-fp32-model": scale_fp32_model, "whole-run-table": whole_run_table,
+          "whole-run-goal-met": whole_run_goal_met, "whole-run-per-layer-slower": whole_run_per_layer_slower,
+          "whole-run-peak-world-2": whole_run_peak_world_2, "scale-startup-table": scale_startup_table,
+          "scale-startup-peak": scale_startup_peak, "scale-logprob-table": scale_logprob_table,
+          "scale-logprob-goal-met": scale_logprob_goal_met, "scale-logprob-extra-time": scale_logprob_extra_time,
+          "scale-throughput-detail": scale_throughput_detail,
+          "mu-sweep-auto-pass-count": mu_sweep_auto_pass_count, "mu-sweep-auto-half": mu_sweep_auto_half,
+          "regimes-bars-held-out": regimes_bars_held_out, "regimes-low-drift-passes": regimes_low_drift_passes,
+          "regimes-other-passes": regimes_other_passes, "regimes-gather-gains": regimes_gather_gains}
 
 
 def pages(root: Path) -> list[Path]:

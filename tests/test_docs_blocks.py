@@ -57,3 +57,17 @@ def test_a_wrong_figure_in_a_result_table_of_bench_readme_is_caught(tmp_path):
     assert text.count("**2.90x** the fp32 model") == 1
     page.write_text(text.replace("**2.90x** the fp32 model", "**2.89x** the fp32 model"))
     assert differing(root, root / "results") == ["bench/README.md: scale-table"]
+
+
+def test_a_wrong_figure_in_a_table_of_docs_scaling_is_caught(tmp_path):
+    root = scratch(tmp_path)
+    page = root / "docs" / "scaling.md"
+    text = page.read_text()
+    # the whole-run peak at world 2 and the reference's loading at world 1 as they were typed by hand (scale.json:
+    # 2.896 and 1.005)
+    assert text.count("| 2 | policy | **2.90x** (5.3 GiB) |") == 1
+    page.write_text(text.replace("| 2 | policy | **2.90x** (5.3 GiB) |", "| 2 | policy | **2.89x** (5.3 GiB) |"))
+    assert differing(root, root / "results") == ["docs/scaling.md: whole-run-table"]
+    assert text.count("| 1.00 / 1.28 | 1.00 / 1.00 |") == 1
+    page.write_text(text.replace("| 1.00 / 1.28 | 1.00 / 1.00 |", "| 1.00 / 1.28 | 1.00 / 1.01 |"))
+    assert differing(root, root / "results") == ["docs/scaling.md: scale-startup-table"]
