@@ -3,6 +3,8 @@ and the check fails on a wrong figure in a scratch copy (a test of the test)."""
 import shutil
 import sys
 
+import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -49,25 +51,17 @@ def test_a_changed_results_file_is_caught_on_every_page_that_holds_its_block(tmp
                                                          "docs/scaling.md: separate-overlap"]
 
 
-def test_a_wrong_figure_in_a_result_table_of_bench_readme_is_caught(tmp_path):
+@pytest.mark.parametrize("page,typed,wrong,block", [
+    ("bench/README.md", "**2.90x** the fp32 model", "**2.89x** the fp32 model", "scale-table"),
+    ("docs/scaling.md", "| 2 | policy | **2.90x** (5.3 GiB) |", "| 2 | policy | **2.89x** (5.3 GiB) |",
+     "whole-run-table"),
+    ("docs/scaling.md", "| 1.00 / 1.28 | 1.00 / 1.00 |", "| 1.00 / 1.28 | 1.00 / 1.01 |", "scale-startup-table"),
+], ids=["bench_readme_scale", "scaling_whole_run", "scaling_startup"])
+def test_a_figure_typed_wrong_in_a_generated_table_is_caught(tmp_path, page, typed, wrong, block):
+    """Each figure as it was typed by hand before its table was generated (scale.json: 2.896 and 1.005)."""
     root = scratch(tmp_path)
-    page = root / "bench" / "README.md"
-    text = page.read_text()
-    # the scale table's whole-run peak at world 2 as it was typed by hand (scale.json: 2.896)
-    assert text.count("**2.90x** the fp32 model") == 1
-    page.write_text(text.replace("**2.90x** the fp32 model", "**2.89x** the fp32 model"))
-    assert differing(root, root / "results") == ["bench/README.md: scale-table"]
-
-
-def test_a_wrong_figure_in_a_table_of_docs_scaling_is_caught(tmp_path):
-    root = scratch(tmp_path)
-    page = root / "docs" / "scaling.md"
-    text = page.read_text()
-    # the whole-run peak at world 2 and the reference's loading at world 1 as they were typed by hand (scale.json:
-    # 2.896 and 1.005)
-    assert text.count("| 2 | policy | **2.90x** (5.3 GiB) |") == 1
-    page.write_text(text.replace("| 2 | policy | **2.90x** (5.3 GiB) |", "| 2 | policy | **2.89x** (5.3 GiB) |"))
-    assert differing(root, root / "results") == ["docs/scaling.md: whole-run-table"]
-    assert text.count("| 1.00 / 1.28 | 1.00 / 1.00 |") == 1
-    page.write_text(text.replace("| 1.00 / 1.28 | 1.00 / 1.00 |", "| 1.00 / 1.28 | 1.00 / 1.01 |"))
-    assert differing(root, root / "results") == ["docs/scaling.md: scale-startup-table"]
+    path = root / page
+    text = path.read_text()
+    assert text.count(typed) == 1
+    path.write_text(text.replace(typed, wrong))
+    assert differing(root, root / "results") == [f"{page}: {block}"]
