@@ -230,14 +230,13 @@ def high_entropy_masks(engine, buf: RolloutBuffer, micro_batches: list[torch.Ten
 
 
 def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Tensor], normalizers: list[float],
-                   cfg: Config, capture_old_logps: bool, timer: Timer,
-                   entropy_control: EntropyControl | None = None) -> dict:
+                   cfg: Config, capture_old_logps: bool, timer: Timer, entropy_control: EntropyControl) -> dict:
     """Backward over each micro-batch, then one optimizer step. Returns step statistics over all ranks.
     `normalizers`: the step's (policy loss, entropy bonus) normalizers; `entropy_control`: the bonus's
     coefficient (updated after the step)."""
     sums = {name: torch.zeros((), device=device()) for name in STEP_SUMS}
     is_max = torch.zeros(1, device=device())
-    control = entropy_control or EntropyControl.from_config(cfg)
+    control = entropy_control
     spec, correct = dataclasses.replace(loss_spec(cfg), entropy_coef=control.applied()), cfg.corrects_sampler
     lr = engine.get_lr()[0]  # what this step's update uses (the scheduler steps at its accumulation boundary)
     keep, bonus_normalizer = [None] * len(micro_batches), normalizers[1]
@@ -245,8 +244,8 @@ def optimizer_step(engine, ref, buf: RolloutBuffer, micro_batches: list[torch.Te
         with timer("forward"):
             keep = high_entropy_masks(engine, buf, micro_batches, cfg)
         # the bonus is a mean over the tokens kept, in the whole step over all ranks
-        kept = all_reduce(sum((k.sum() for k in keep), torch.zeros((), device=device())).reshape(1))
-        bonus_normalizer = kept.clamp(min=1.0).item() / dist.get_world_size()
+        kept_count = all_reduce(sum((k.sum() for k in keep), torch.zeros((), device=device())).reshape(1))
+        bonus_normalizer = kept_count.clamp(min=1.0).item() / dist.get_world_size()
     for idx, entropy_mask in zip(micro_batches, keep):
         mb = _to_device(buf.micro_batch(idx))
         mask, c_len = mb["completion_mask"], mb["completion_mask"].shape[1]
