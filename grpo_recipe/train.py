@@ -42,6 +42,7 @@ from grpo_recipe.dist.group import init_distributed
 from grpo_recipe.dist.link import layout
 from grpo_recipe.generation import GenerationError, Generator, build_generator, generate_on_every_rank, rollout_seed
 from grpo_recipe.generation.remote import serve
+from grpo_recipe.generation.tools import ToolRunner, check_template, load_tools, multi_turn, set_templates
 from grpo_recipe.generation.vllm import VLLMUnavailable
 from grpo_recipe.model import engine as eng
 from grpo_recipe.model.load import load_model, load_tokenizer
@@ -81,6 +82,7 @@ class Run:
     checkpointer: Checkpointer
     evaluator: Evaluator | None  # None: no evaluation during training
     lock: Any = None  # rank 0's hold on the output folder (grpo_recipe/run/outdir.py), kept for the run's lifetime
+    tools: ToolRunner | None = None  # multi-turn rollouts: the tools the model may call
 
 
 @dataclass
@@ -128,6 +130,11 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
     except (OSError, ValueError) as e:  # e.g. no EOS token, or files transformers cannot read
         raise ConfigError(f"model_name_or_path: no usable tokenizer in {path}: {' '.join(str(e).split())[:300]}") \
             from None
+    set_templates(tokenizer, cfg)
+    tools = None
+    if cfg.tools:
+        tools = ToolRunner(load_tools(cfg.tools), cfg.tool_timeout_s)
+        check_template(tokenizer, tools.schemas)
     train_prompts, eval_prompts = load_datasets(cfg, *(data or ()))  # a held-out eval slice leaves the train set
     rewards = load_reward_funcs(cfg.reward_funcs)
     checked = [(train_prompts, cfg.dataset_name)]
@@ -148,7 +155,7 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
     checkpointer.run_id, checkpointer.lineage, resume_from = claim.run_id, claim.lineage, claim.resume_from
     if resume_from is not None:
         checkpointer.check_config(resume_from)  # before any model is loaded
-    stream = PromptStream(train_prompts, tokenizer, cfg, rank, world)
+    stream = PromptStream(train_prompts, tokenizer, cfg, rank, world, tools and tools.schemas)
     model = load_model(path, cfg, world)
     engine = eng.init_engine(model, cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0.0 else None
@@ -172,9 +179,10 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
     checkpointer.install_signal_handlers()
     evaluator = None
     if eval_prompts is not None and (cfg.eval_steps or cfg.eval_on_start):
-        evaluator = Evaluator(cfg, PromptStream(eval_prompts, tokenizer, cfg, rank, world), generator, rewards,
-                              rank, world)
-    run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator, checkpointer, evaluator, lock)
+        evaluator = Evaluator(cfg, PromptStream(eval_prompts, tokenizer, cfg, rank, world, tools and tools.schemas),
+                              generator, rewards, rank, world)
+    run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator, checkpointer, evaluator, lock,
+              tools)
     return run, state
 
 
@@ -189,6 +197,9 @@ def rollout_stats(rewards: torch.Tensor, per_func: dict, comp, num_truncated_pro
             "zero_std_groups": zero_std.sum(), "groups": zero_std.numel(),
             "reward": r64.sum(), "reward^2": (r64 ** 2).sum(),
             "ranks": 1.0, "decode_steps": lengths.max() if len(lengths) else 0, "tokens": prompt_tokens + lengths.sum()}
+    if comp.tool_mask is not None:  # multi-turn: the model's own tokens, tool calls and failures
+        sums |= {"model_tokens": (comp.tool_mask * comp.mask).sum(), "tool_calls": comp.tool_counts["tool_calls"],
+                 "tool_failures": comp.tool_counts["tool_failures"]}
     if objective is not None:
         o64 = objective.double()
         sums |= {"objective": o64.sum(), "objective^2": (o64 ** 2).sum()}
@@ -210,13 +221,16 @@ def summarize_rollout(sums: dict[str, float], names: list[str]) -> dict:
     per_func = {k: mean_std(f"reward/{k}", sums[f"applies/{k}"]) for k in names}
     mean, std = mean_std("reward", n)
     objective = dict(zip(("objective_mean", "objective_std"), mean_std("objective", n))) if "objective" in sums else {}
+    tools = {"tool_calls_per_completion": sums["tool_calls"] / n,
+             "tool_failure_fraction": sums["tool_failures"] / max(sums["tool_calls"], 1.0),
+             "tool_tokens_per_completion": (sums["length"] - sums["model_tokens"]) / n} if "tool_calls" in sums else {}
     return {"reward_mean": mean, "reward_std": std, "frac_reward_zero_std": sums["zero_std_groups"] / sums["groups"],
             "completion_length_mean": sums["length"] / n, "truncated_fraction": sums["truncated"] / n,
             # what the rollout cost: its decoding steps (longest completion, mean over ranks) and the tokens a
             # pass trains on (prompts and completions, all ranks); reuse.py prices replays with them
             "decode_steps": sums["decode_steps"] / sums["ranks"], "rollout_tokens": int(sums["tokens"]),
             "prompts_truncated": int(sums["prompts_truncated"]), "failed_ranks": int(sums["failed_ranks"]),
-            **objective, **{f"reward/{k}": m for k, (m, _) in per_func.items()},
+            **objective, **tools, **{f"reward/{k}": m for k, (m, _) in per_func.items()},
             **{f"reward/{k}_std": s for k, (_, s) in per_func.items()}}
 
 
@@ -224,9 +238,16 @@ def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
     """This rank's completions (a failure on any rank stops every rank); sampling from NaN probabilities means
     the last update broke the weights."""
     seed = rollout_seed(run.cfg.seed, rollout, run.rank, run.world)
+    where = f"generation of rollout {rollout}"
     try:
-        return generate_on_every_rank(run.generator, prompt_ids, f"generation of rollout {rollout}", seed=seed,
-                                      rollout=rollout)
+        if run.tools is None:
+            return generate_on_every_rank(run.generator, prompt_ids, where, seed=seed, rollout=rollout)
+        # tool rounds sample afresh from prompts that now hold the results: a seed of their own each
+        turn = lambda prompts, n, k: generate_on_every_rank(  # noqa: E731
+            run.generator, prompts, f"{where}, tool round {k}" if k else where, n=n, rollout=rollout,
+            seed=(seed + 7_919 * k) % 2**31)
+        return multi_turn(turn, run.tokenizer, run.cfg, prompt_ids, run.tools,
+                          run.engine.module.config.max_position_embeddings)
     except GenerationError as e:
         if re.search(r"\b(nan|inf)\b", str(e), re.IGNORECASE):
             raise NonFiniteError(f"{e}: the policy is no longer finite after the last update; resume from an "
@@ -247,7 +268,8 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     with timer("score"):
         try:
             rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids,
-                                      timeout_s=cfg.reward_timeout_s or None, where=f"rollout {rollout}: ")
+                                      timeout_s=cfg.reward_timeout_s or None, where=f"rollout {rollout}: ",
+                                      turns=comp.turns)
         except RewardError as e:
             error, rewards, per_func = e, torch.zeros(len(comp.ids)), {f.name: torch.zeros(1) for f in run.rewards}
     liveness.set_phase(f"rollout {rollout}: reward statistics (all ranks)")
@@ -271,7 +293,8 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     mask = comp.mask * (~comp.truncated).unsqueeze(-1) if cfg.mask_truncated_completions else comp.mask
     active = ~zero_std.repeat_interleave(G) if cfg.zero_std_filter else None  # all-equal groups teach nothing
     buf = RolloutBuffer.build(rows.prompt_ids, comp.ids, advantages, mask, run.tokenizer.pad_token_id,
-                              order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps, active=active)
+                              order_seed=cfg.seed * 100_003 + rollout, sampling_logps=comp.logps, active=active,
+                              tool_mask=comp.tool_mask)
     samples = None
     if run.rank == 0 and cfg.log_completions_steps:  # this rank's first groups: nothing is gathered
         samples = sample_rows(rollout, rows.prompts, comp.texts, rewards, per_func, advantages,

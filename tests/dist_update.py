@@ -47,9 +47,11 @@ def fixed_rollout(n: int, seed: int = 0, vocab: int = 500, eos: int = 0):
     return prompts, comps, adv
 
 
-def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0, zero_std_groups=()) -> RolloutBuffer:
+def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0, zero_std_groups=(),
+                 tool_tokens: bool = False) -> RolloutBuffer:
     """This rank's slice of the fixed rollout. The global groups `zero_std_groups` had all-equal rewards: their
-    advantages are 0, and with zero_std_filter they are left out of the update."""
+    advantages are 0, and with zero_std_filter they are left out of the update. `tool_tokens`: tokens 1 and 2 of
+    every completion longer than 3 are a tool's result (attended to, not trained: generation/tools.py)."""
     n = cfg.completions_per_rollout
     prompts, comps, adv = fixed_rollout(n * world)
     group = torch.arange(n * world) // cfg.num_generations
@@ -62,7 +64,12 @@ def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0, zero_std_g
     for i, c in enumerate(comps):
         mask[i, :len(c)] = 1
     active = ~zero[sl] if cfg.zero_std_filter else None
-    return RolloutBuffer.build(prompts, comps, adv[sl], mask, pad_id, order_seed=1000 + rank, active=active)
+    tool_mask = None
+    if tool_tokens:
+        tool_mask = torch.ones(n, width)
+        tool_mask[:, 1:3] = (mask.sum(-1, keepdim=True) <= 3).float()
+    return RolloutBuffer.build(prompts, comps, adv[sl], mask, pad_id, order_seed=1000 + rank, active=active,
+                               tool_mask=tool_mask)
 
 
 def fixed_rewards(n: int) -> torch.Tensor:
@@ -94,7 +101,7 @@ def fixed_sampling_logps(buf: RolloutBuffer, rank: int, world: int) -> torch.Ten
 
 
 def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zero_std_groups=(),
-             sampling_logps: bool = False):
+             sampling_logps: bool = False, tool_tokens: bool = False):
     """Fresh engine, this rank's shard of the fixed rollout, `train_on_rollout` over it. Returns the engine,
     the reference, the buffer, the old-log-prob forwards, store counts and each step's statistics.
     `from_rewards`: advantages from fixed rewards as train.py computes them."""
@@ -102,7 +109,7 @@ def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zer
     torch.manual_seed(0)
     engine = eng.init_engine(load_model(path, cfg, world), cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0 else None
-    buf = local_buffer(cfg, rank, world, zero_std_groups=zero_std_groups)
+    buf = local_buffer(cfg, rank, world, zero_std_groups=zero_std_groups, tool_tokens=tool_tokens)
     if from_rewards:
         buf.advantages = advantages_from_rewards(cfg, buf, rank, world).float()
     if sampling_logps:
@@ -129,9 +136,9 @@ def main():
     for case in cases:
         name, from_rewards = case.pop("name"), case.pop("from_rewards", False)
         zero_std_groups = case.pop("zero_std_groups", ())
-        sampling = case.pop("sampling_logps", False)
+        sampling, tools = case.pop("sampling_logps", False), case.pop("tool_tokens", False)
         engine, _, buf, forwards, stores, outs = run_case(Config(**{**BASE, **case}), rank, world, from_rewards,
-                                                          zero_std_groups, sampling)
+                                                          zero_std_groups, sampling, tools)
         state = engine._zero3_consolidated_16bit_state_dict() if eng.is_zero3(engine) else engine.module.state_dict()
         all_stores = [torch.zeros_like(stores) for _ in range(world)]
         torch.distributed.all_gather(all_stores, stores)

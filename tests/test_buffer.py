@@ -158,3 +158,16 @@ def test_micro_batch_drops_columns_that_are_padding_in_all_its_samples():
     # old log-probs of a trimmed micro-batch: the columns it did not have are stored as padding (0)
     buf.store_old_logps(idx, torch.tensor([[-1.0], [-2.0]]))
     assert buf.old_logps[4].tolist() == [-1.0, 0, 0, 0] and buf.micro_batch(idx)["old_logps"].tolist() == [[-1.0], [-2.0]]
+
+
+def test_tool_results_are_attended_to_but_never_trained_or_counted():
+    prompts, comps = [[5, 6], [7]], [[1, 2, 3, 4], [8, 9]]
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]])
+    tool = torch.tensor([[1.0, 0, 0, 1], [1, 1, 1, 1]])  # sample 0: tokens 1-2 are a tool's result
+    buf = RolloutBuffer.build(prompts, comps, torch.ones(2), mask, pad_id=0, order_seed=0, tool_mask=tool)
+    assert buf.attention_mask[:, 2:].tolist() == mask.long().tolist()  # the model reads the results
+    assert buf.completion_mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]  # and is not trained on them
+    plan = buf.plan(1, 1, 2)
+    assert buf.token_counts(plan).item() == 4  # the loss normalizer counts the model's tokens only
+    mb = buf.micro_batch(plan[0][0][0])
+    assert mb["attention_mask"].shape[1] == 2 + 4  # the micro-batch keeps the results' columns

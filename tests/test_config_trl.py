@@ -58,7 +58,7 @@ def test_every_trl_field_at_trls_default_loads_or_is_refused_with_its_reason():
 @pytest.mark.parametrize("name,value,fragment", [
     ("trust_remote_code", "true", "models are loaded without remote code"),
     ("sync_ref_model", "true", "beta is 0, so there is no reference model to sync"),
-    ("max_tool_calling_iterations", "5", "multi-turn tool calling is not implemented here"),
+    ("max_tool_calling_iterations", "0", "must be >= 1 or null"),
     ("multi_objective_aggregation", "sum_then_average", "must be sum_then_normalize or normalize_then_sum"),
     ("generation_batch_size", "64", "use those fields"),
     ("vllm_server_port", "9000", "no vLLM server is used here"),

@@ -110,7 +110,9 @@ def trl_loss(t, opts, logp, entropy, is_ratio=None, with_sampling=False, me=None
     inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": t["mask"],
               "advantages": t["adv"], "old_per_token_logps": t["old"], "ref_per_token_logps": t["ref"],
-              "num_items_in_batch": t["mask"].sum()}
+              "num_items_in_batch": (t["mask"] * t.get("tool", 1.0)).sum()}
+    if "tool" in t:  # a multi-turn rollout: TRL takes the tool results out with its tool_mask
+        inputs["tool_mask"] = t["tool"]
     if is_ratio is not None:
         inputs["importance_sampling_ratio"] = is_ratio
     if with_sampling:
@@ -129,7 +131,7 @@ def our_loss(t, opts, logp, entropy, is_weights=None, with_sampling=False, entro
                  spec.get("use_bias_correction_kl", True), spec.get("entropy_coef", 0.0),
                  *(spec.get(k, d) for k, d in (("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0), ("vespo_k_neg", 3.0),
                                                ("vespo_lambda_neg", 2.0))))
-    mask = t["mask"]
+    mask = t["mask"] * t.get("tool", 1.0)  # the rollout buffer's trained tokens (algo/buffer.py)
     seqs = (mask.sum(-1) > 0).sum().reshape(1, 1)
     norm = loss_normalizers(s.loss_type, mask.sum().reshape(1, 1), seqs, 1).item()
     tokens = loss_normalizers("step_token_mean", mask.sum().reshape(1, 1), seqs, 1).item()
@@ -150,18 +152,23 @@ def grad(x):
     return torch.zeros_like(x) if x.grad is None else x.grad
 
 
-def both(opts, is_mode=None, with_sampling=False, seed=0):
-    """(TRL's loss, its gradients) and (ours, ours) on the same tensors."""
+def both(opts, is_mode=None, with_sampling=False, seed=0, tool=False):
+    """(TRL's loss, its gradients) and (ours, ours) on the same tensors; `tool`: some completions hold tool
+    results (tokens 1-2 of row 0, 2-3 of row 3, 1 of row 5), which TRL's tool_mask and our buffer leave out."""
     t = tensors(seed)
+    if tool:
+        t["tool"] = torch.ones(B, T)
+        t["tool"][0, 1:3], t["tool"][3, 2:4], t["tool"][5, 1] = 0.0, 0.0, 0.0
+    trained = t["mask"] * t.get("tool", 1.0)
     out = []
     for side in ("trl", "ours"):
         logp = t["logp"].clone().requires_grad_(True)
         entropy = t["entropy"].clone().requires_grad_(True)
         if side == "trl":
-            ratio = None if is_mode is None else trl_ratio(t["old"], t["sampling"], t["mask"], *is_mode)
+            ratio = None if is_mode is None else trl_ratio(t["old"], t["sampling"], trained, *is_mode)
             loss = trl_loss(t, opts, logp, entropy, ratio, with_sampling)
         else:
-            weights = None if is_mode is None else sampler_is_weights(t["old"], t["sampling"], t["mask"], *is_mode)[0]
+            weights = None if is_mode is None else sampler_is_weights(t["old"], t["sampling"], trained, *is_mode)[0]
             loss = our_loss(t, opts, logp, entropy, weights, with_sampling)
         loss.backward()
         out.append((loss.detach(), grad(logp) * t["mask"], grad(entropy) * t["mask"]))
@@ -214,6 +221,24 @@ def test_loss_and_gradient_equal_trls(opts):
     want, got = both(opts)
     check(got, want)
     assert want[1].abs().sum() > 0  # a gradient to compare
+
+
+TOOL_CASES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo", "grpo_sequence", "dapo_kl_bias_corrected", "luspo_sequence",
+              "vespo_kl_entropy", "top_entropy_0.3_vespo", "dapo_entropy_bonus")
+
+
+@pytest.mark.parametrize("opts", [CASES[k] for k in TOOL_CASES], ids=TOOL_CASES)
+def test_tool_results_are_left_out_as_trls_tool_mask_leaves_them(opts):
+    want, got = both(opts, tool=True)
+    check(got, want)
+    without = both(opts)[1]
+    assert not torch.allclose(without[0], got[0]) or not torch.allclose(without[1], got[1]), \
+        "the tool mask changed nothing on these tensors"
+
+
+def test_drift_correction_over_the_models_tokens_only_equals_trls():
+    want, got = both({}, is_mode=("sequence_mask", None, 3.0), with_sampling=True, tool=True)
+    check(got, want)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])

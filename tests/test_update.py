@@ -239,6 +239,11 @@ LOSS_OPTIONS = {
     "luspo_sequence": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
     "vespo": {"loss_type": "vespo", "learning_rate": 0.05},  # a step large enough for w to leave 1
     "dapo_top_entropy": {"top_entropy_quantile": 0.3},
+    # a multi-turn rollout: tool results in the completions, attended to and never trained (with vLLM's drift)
+    "dapo_tool_results": {"tool_tokens": True},
+    "dapo_tool_results_sequence_mask": {"tool_tokens": True, "generation_backend": "vllm", "sampling_logps": True,
+                                        "vllm_importance_sampling_mode": "sequence_mask",
+                                        "vllm_importance_sampling_clip_min": 0.5},
     "dapo_top_entropy_bonus": {"top_entropy_quantile": 0.6, "entropy_coef": 0.05},
     # a target above any entropy: the bonus applies from the second step on, growing by delta
     "dapo_adaptive_entropy": {"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 100.0,

@@ -37,7 +37,7 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 class RolloutBuffer:
     input_ids: torch.Tensor  # [N, P + C] prompt (left-padded) + completion (right-padded)
     attention_mask: torch.Tensor  # [N, P + C]
-    completion_mask: torch.Tensor  # [N, C] 1 for completion tokens up to and including EOS
+    completion_mask: torch.Tensor  # [N, C] 1 for trained completion tokens: the model's, up to and including EOS
     advantages: torch.Tensor  # [N]
     old_logps: torch.Tensor  # [N, C] (NaN until known)
     has_old_logps: torch.Tensor  # [N] bool
@@ -55,8 +55,10 @@ class RolloutBuffer:
     @classmethod
     def build(cls, prompt_ids: list[list[int]], completion_ids: list[list[int]], advantages: torch.Tensor,
               completion_mask: torch.Tensor, pad_id: int, order_seed: int,
-              sampling_logps: torch.Tensor | None = None, active: torch.Tensor | None = None) -> "RolloutBuffer":
-        """Left-pad prompts and right-pad completions into one [N, P + C] batch; `active` None = all trained."""
+              sampling_logps: torch.Tensor | None = None, active: torch.Tensor | None = None,
+              tool_mask: torch.Tensor | None = None) -> "RolloutBuffer":
+        """Left-pad prompts and right-pad completions into one [N, P + C] batch; `active` None = all trained.
+        `tool_mask` (multi-turn rollouts) is 0 on tool results: attended to, never trained on."""
         n, c_len = len(completion_ids), completion_mask.shape[1]
         prompts, prompt_attn = left_pad(prompt_ids, pad_id)
         completions = torch.full((n, c_len), pad_id, dtype=torch.long)
@@ -67,7 +69,8 @@ class RolloutBuffer:
         if sampling_logps is None:
             sampling_logps = torch.full((n, c_len), float("nan"))
         active = torch.ones(n, dtype=torch.bool) if active is None else active.bool().cpu()
-        return cls(ids, attn, completion_mask.float() * active.unsqueeze(-1), advantages.float(),
+        trained = completion_mask.float() if tool_mask is None else completion_mask.float() * tool_mask.float()
+        return cls(ids, attn, trained * active.unsqueeze(-1), advantages.float(),
                    torch.full((n, c_len), float("nan")), torch.zeros(n, dtype=torch.bool),
                    sampling_logps.float().cpu(), order_seed, active)
 

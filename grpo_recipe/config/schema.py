@@ -75,6 +75,17 @@ class Config:
     chat_template: str | bool = opt("auto", "auto = apply the tokenizer's chat template when it has one; true; false")
     chat_template_kwargs: dict = opt({}, "extra arguments of apply_chat_template, e.g. {enable_thinking: false}")
     max_prompt_length: int = opt(256, "prompts are cut from the left to this many tokens")
+    chat_template_path: str | None = opt(None, "a Jinja chat template file replacing the tokenizer's (e.g. "
+                                         "grpo_recipe/assets/chatml_tools.jinja: tool calls for ChatML models)")
+    response_template_path: str | None = opt(None, "a JSON response template for transformers' parse_response "
+                                             "(how tool calls are read from a completion); null = the tokenizer's")
+    # --- tools (multi-turn rollouts; docs: tools) ------------------------------------------
+    tools: list = opt([], "functions the model may call: module:function or path/file.py:function, typed "
+                      "arguments and a Google-style docstring (they make the schema the prompt shows)")
+    max_tool_calling_iterations: int | None = opt(None, "tool-call rounds per completion at most; null = until "
+                                                  "max_completion_length")
+    tool_timeout_s: float = opt(30.0, "the most seconds one tool call may take: then its result is an error "
+                                      "message the model reads (counted as a failure); 0 = no bound")
     # --- generation --------------------------------------------------------------------
     generation_backend: str = opt("hf", "hf (transformers generate on the training weights) or vllm (an engine per "
                                   "rank: colocated, or on each generation rank)")
@@ -382,6 +393,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          "overwrite_output_dir: cannot be combined with resume_from_checkpoint (one removes what the other "
          "continues); pass one of them")
     need(bool(cfg.reward_funcs), "reward_funcs: at least one reward function is needed")
+    validate_tools(cfg)
     if cfg.use_peft:
         need(cfg.lora_r >= 1, f"lora_r: must be >= 1, got {cfg.lora_r}")
         need(cfg.lora_alpha > 0, f"lora_alpha: must be > 0, got {cfg.lora_alpha}")
@@ -398,6 +410,20 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if cfg.generation_backend == "vllm":
         validate_vllm(cfg, world_size)
     validate_generation_ranks(cfg, world_size)
+
+
+def validate_tools(cfg: Config) -> None:
+    need(all(isinstance(t, str) and ":" in t for t in cfg.tools),
+         f"tools: must be a list of module:function or path/file.py:function, got {cfg.tools!r}")
+    need(cfg.max_tool_calling_iterations is None or cfg.max_tool_calling_iterations >= 1,
+         f"max_tool_calling_iterations: must be >= 1 or null, got {cfg.max_tool_calling_iterations}")
+    need(cfg.tool_timeout_s >= 0, f"tool_timeout_s: must be >= 0 (0 = no bound), got {cfg.tool_timeout_s}")
+    if not cfg.tools:
+        return
+    need(str(cfg.chat_template).lower() != "false", "tools: need the chat template (it writes the tools into the "
+         "prompt and the results into the completion); chat_template is false")
+    need(cfg.generation_ranks == 0, "tools: multi-turn rollouts run where the trainers generate; generation_ranks "
+         f"is {cfg.generation_ranks} (set it to 0)")
 
 
 def validate_generation_ranks(cfg: Config, world_size: int) -> None:

@@ -150,7 +150,6 @@ def _log_completions(value, values):
 
 DROPOUT = "the recipe turns every dropout off (old log-probs equal to the trainer's need a deterministic forward)"
 NO_SERVER = "no vLLM server is used here (generation_ranks: N gives vLLM ranks of the job itself)"
-NOT_IMPLEMENTED = "not implemented here"
 GRPO_FIELDS: dict[str, Rule] = {
     "model_init_kwargs": only(None, "the model is loaded in fp32 and trained in the precision `bf16` asks for"),
     "trust_remote_code": only(False, "models are loaded without remote code"),
@@ -177,7 +176,6 @@ GRPO_FIELDS: dict[str, Rule] = {
     "vllm_max_model_length": rename("vllm_max_model_len"),
     "vllm_importance_sampling_cap": rename("vllm_importance_sampling_clip_max"),
     "reward_weights": _reward_weights,
-    "max_tool_calling_iterations": only(None, "multi-turn tool calling is " + NOT_IMPLEMENTED),
     "log_completions": _log_completions,
     "log_multimodal": same_meaning("there are no images to log"),
     "num_completions_to_print": only(None, "completions are written to completions.jsonl, not printed",
@@ -197,7 +195,7 @@ SAME = ("num_generations", "max_completion_length", "temperature", "top_p", "top
         "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_bias_correction_kl", "vespo_k_pos",
         "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation", "top_entropy_quantile",
         "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
-        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
+        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "max_tool_calling_iterations")
 # TrainingArguments fields that mean something else here, or a value the recipe cannot honour.
 TRAINING_FIELDS: dict[str, Rule] = {
     "num_train_epochs": only(3.0, "runs are counted in optimizer steps", "max_steps"),

@@ -213,8 +213,9 @@ class PromptBatch:
 
 
 class PromptStream:
-    def __init__(self, dataset, tokenizer, cfg: Config, rank: int, world_size: int):
+    def __init__(self, dataset, tokenizer, cfg: Config, rank: int, world_size: int, tools: list[dict] | None = None):
         self.ds, self.tok, self.cfg = dataset, tokenizer, cfg
+        self.tools = tools or None  # the schemas of the tools the model may call, written into each prompt
         self.rank, self.world = rank, world_size
         self.use_chat = uses_chat_template(tokenizer, cfg)
         self._perms: dict[int, torch.Tensor] = {}
@@ -232,7 +233,7 @@ class PromptStream:
             messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
             if system and messages[0].get("role") != "system":  # a row's own system message wins
                 messages.insert(0, {"role": "system", "content": system})
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+            return self.tok.apply_chat_template(messages, tools=self.tools, tokenize=False, add_generation_prompt=True,
                                                 **self.cfg.chat_template_kwargs)
         if isinstance(prompt, list):
             raise DataError(f"prompt_column: {self.cfg.prompt_column!r} holds chat messages, but no chat template "

@@ -28,6 +28,10 @@ class Completions:
     truncated: torch.Tensor  # [N] bool: neither EOS nor a stop string within max_completion_length
     texts: list[str]  # decoded, EOS and special tokens dropped (a stop string is kept)
     logps: torch.Tensor | None = None  # [N, C] the sampler's own log-probs, if the backend reports them
+    # multi-turn rollouts (generation/tools.py): 1 on the model's tokens, 0 on tool results; None: all model's
+    tool_mask: torch.Tensor | None = None
+    turns: list[list[dict]] | None = None  # each completion's messages (assistant turns and tool results)
+    tool_counts: dict | None = None  # tool calls, failures and rounds of this rank's rollout
 
 
 class Generator(Protocol):

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from grpo_recipe.config.schema import resolve_path
+from grpo_recipe.config.usercode import UserCodeError, import_callable
 from grpo_recipe.data.prompts import RESERVED_COLUMNS  # what the recipe passes itself
 from grpo_recipe.dist import liveness, signals
 from grpo_recipe.rewards.math_answers import answers_match, completion_answer, reference_answer
@@ -110,25 +107,10 @@ def _import(spec: str) -> tuple[str, Callable]:
         hint = f" (TRL's {spec} is {TRL_REWARDS[spec]} here)" if spec in TRL_REWARDS else ""
         raise RewardError(f"reward_funcs: {spec!r} is not a built-in ({', '.join(BUILTINS)}), "
                           f"'module:function' or 'path/file.py:function'{hint}")
-    if target.endswith(".py"):
-        path = resolve_path(os.path.expanduser(target))  # relative to the working directory, else the repo
-        if not path.is_file():
-            raise RewardError(f"reward_funcs: file not found: {target}")
-        mod_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as e:
-            raise RewardError(f"reward_funcs: importing {target} failed: {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise RewardError(f"reward_funcs: cannot import module {target!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardError(f"reward_funcs: {target} has no function {attr!r}")
-    return attr, fn
+    try:
+        return import_callable(spec, "reward_funcs")
+    except UserCodeError as e:
+        raise RewardError(str(e)) from e.__cause__
 
 
 def check_kwargs(name: str, fn: Callable, kwargs: dict) -> None:
@@ -290,15 +272,16 @@ def is_conversational(prompt) -> bool:
 
 def score(funcs: list[RewardFunc], prompts: list, completions: list[str], columns: dict[str, list],
           completion_ids: list[list[int]] | None = None, timeout_s: float | None = None,
-          where: str = "") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          where: str = "", turns: list[list[dict]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total weighted reward per completion, and each function's raw values (NaN where not applicable).
 
-    `completions` are texts; for conversational prompts they reach the functions as [assistant message].
+    `completions` are texts; for conversational prompts they reach the functions as [assistant message], or
+    with `turns` (multi-turn rollouts) as each completion's messages: assistant turns and tool results, as in TRL.
     Each function call is bounded by `timeout_s` (None: unbounded); `where` prefixes the phase a stuck rank
     is named with (e.g. "rollout 3: ").
     """
     if prompts and is_conversational(prompts[0]):
-        completions = [[{"role": "assistant", "content": c}] for c in completions]
+        completions = turns or [[{"role": "assistant", "content": c}] for c in completions]
     inputs = {**columns, "prompts": prompts, "completions": completions,
               "completion_ids": completion_ids if completion_ids is not None else [[] for _ in completions]}
     outs = _call_all(funcs, inputs, timeout_s, where)

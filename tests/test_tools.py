@@ -1,0 +1,186 @@
+"""generation/tools.py: loading tools, calling them within bounds, and the multi-turn loop, whose tokens and masks
+equal TRL 1.16's own `_tool_call_loop` on the same model turns."""
+import copy
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_recipe.config.schema import Config, ConfigError, validate
+from grpo_recipe.generation.base import finish
+from grpo_recipe.generation.tools import (ToolError, ToolRunner, check_template, load_tools, multi_turn, parse,
+                                          set_templates, tool_suffix)
+from grpo_recipe.model.tiny import build_tokenizer
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+TOOLS_FILE = os.path.join(HERE, "data", "tools_fixture.py")
+
+
+def tokenizer():
+    """The built-in tiny tokenizer with ChatML's turn markers, EOS ending a turn, and the shipped tool templates."""
+    tok = build_tokenizer()
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+    set_templates(tok, Config(chat_template_path="grpo_recipe/assets/chatml_tools.jinja",
+                              response_template_path="grpo_recipe/assets/chatml_tools_response.json"))
+    return tok
+
+
+def test_a_typed_documented_function_becomes_a_tool_with_its_schema():
+    (add,) = load_tools([f"{TOOLS_FILE}:add"])
+    assert add.name == "add" and add.fn(2, 3) == 5
+    params = add.schema["function"]["parameters"]
+    assert params["properties"]["a"]["type"] == "integer" and params["required"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("spec, says", [
+    (f"{TOOLS_FILE}:untyped", "no usable schema"),
+    (f"{TOOLS_FILE}:no_docstring", "no usable schema"),
+    (f"{TOOLS_FILE}:missing", "has no function 'missing'"),
+    ("no_such_module_xyz:f", "cannot import module"),
+    ("tests/data/nope.py:f", "file not found"),
+])
+def test_an_unusable_tool_is_one_line_naming_it(spec, says):
+    with pytest.raises(ToolError) as e:
+        load_tools([spec])
+    assert says in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("tools: ")
+
+
+def test_a_template_that_ignores_tools_or_cannot_read_calls_is_refused():
+    tools = load_tools([f"{TOOLS_FILE}:add"])
+    plain = build_tokenizer()
+    plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ToolError, match="ignores `tools`"):
+        check_template(plain, [t.schema for t in tools])
+    tok = tokenizer()
+    tok.response_template = None
+    with pytest.raises(ToolError, match="no response template"):
+        check_template(tok, [t.schema for t in tools])
+    check_template(tokenizer(), [t.schema for t in tools])  # the shipped pair serves
+
+
+def test_tools_are_refused_where_the_loop_cannot_run():
+    with pytest.raises(ConfigError, match="chat_template is false"):
+        validate(Config(tools=["m:f"], chat_template=False))
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations"):
+        validate(Config(tools=["m:f"], max_tool_calling_iterations=0))
+    with pytest.raises(ConfigError, match="generation_ranks"):
+        validate(Config(tools=["m:f"], generation_ranks=1), world_size=2)
+
+
+def call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_a_failing_hanging_or_unprintable_tool_is_a_result_the_model_reads_and_a_counted_failure():
+    runner = ToolRunner(load_tools([f"{TOOLS_FILE}:{n}" for n in ("add", "fails", "hangs", "unprintable")]), 0.5)
+    assert runner.call(call("add", a=2, b=3)) == ("add", "5", False)
+    assert runner.call(call("fails", x=1)) == ("fails", "{'error': 'no luck with 1'}", True)
+    start = time.monotonic()
+    name, text, failed = runner.call(call("hangs", seconds=30.0))
+    assert failed and "timed out after 0.5 s" in text and time.monotonic() - start < 5
+    assert runner.call(call("unprintable"))[2]
+    assert runner.call(call("nope")) == ("nope", "{'error': 'Tool nope not found.'}", True)
+    assert runner.call(call("add", a=1))[2]  # a missing argument
+
+
+# --- the loop against TRL's own -------------------------------------------------------------------------------
+# Each sample's model turns, by sample and by the number of tool rounds before them.
+SCRIPT = {
+    0: ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>', "s0 it is 5<|im_end|>"],
+    1: ["s1 no tools needed<|im_end|>"],
+    2: ['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call><|im_end|>',
+        'again <tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call><|im_end|>', "s2 four<|im_end|>"],
+    3: ['<tool_call>{"name": "fails", "arguments": {"x": 7}}</tool_call><|im_end|>', "s3 it failed<|im_end|>"],
+    4: ['<tool_call>{"name": "add", "arguments": {"a": 4, "b": 4}}</tool_call><|im_end|>',
+        "s4 " + "and on " * 60 + "<|im_end|>"],  # runs past the budget: truncated
+    5: ['<tool_call>{"name": "nope", "arguments": {}}</tool_call><|im_end|>', "s5 fine<|im_end|>"],
+}
+MARKS = {0: "\"a\": 2, \"b\": 3", 2: "\"a\": 1, \"b\": 1", 3: "fails",
+         4: "\"a\": 4", 5: "nope", 1: "s1 no tools"}
+MAX_LEN = 160
+
+
+def model_turn(tok, context_ids: list[int], first: int | None = None) -> list[int]:
+    """The scripted model: which sample (from its first turn in the context) and how many tool results it read."""
+    text = tok.decode(context_ids, skip_special_tokens=False)
+    text = text[text.index("<|im_start|>assistant\n"):]  # the completion so far (the prompt lists the tools)
+    if first is None:
+        first = next(i for i, m in MARKS.items() if m in text)
+    rounds = text.count("<|im_start|>tool")
+    return tok(SCRIPT[first][rounds], add_special_tokens=False)["input_ids"]
+
+
+def our_side(tok, prompt_ids, runner, max_iterations):
+    cfg = Config(max_completion_length=MAX_LEN, max_tool_calling_iterations=max_iterations, num_generations=2)
+
+    def generate(prompts, n, k):
+        raw = [model_turn(tok, p, first=j if k == 0 else None) for j, p in enumerate(
+            [p for p in prompts for _ in range(n or 2)])]
+        return finish(raw, tok.eos_token_id, tok, MAX_LEN)
+
+    return multi_turn(generate, tok, cfg, prompt_ids, runner, max_model_len=4096)
+
+
+def trl_side(tok, messages, prompt_ids, runner, max_iterations):
+    """TRL 1.16's `_tool_call_loop` itself, on a stand-in for the trainer state it reads."""
+    tools = list(runner.tools.values())
+    me = SimpleNamespace(
+        _sync_tool_dicts=[dict(runner.tools)] * 6, _async_tool_dicts=[{}] * 6, max_tool_calling_iterations=max_iterations,
+        use_vllm=False, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096)), _is_vlm=False,
+        max_completion_length=MAX_LEN, environment_factories=None, tools=tools, processing_class=tok,
+        _tokenizer=tok, chat_template=None, chat_template_kwargs={})
+    me._get_tool_suffix_ids = lambda msgs: GRPOTrainer._get_tool_suffix_ids(me, msgs)
+    me._generate_single_turn = lambda ids, *a, **k: ([model_turn(tok, x) for x in ids], None)
+    first = [model_turn(tok, p, first=j) for j, p in enumerate(prompt_ids)]
+    first = [f[:f.index(tok.eos_token_id) + 1] for f in first]
+    completions = [[tok.parse_response(f, prefix=p, tools=[t.schema for t in runner_tools])]
+                   for f, p in zip(first, prompt_ids)]
+    return GRPOTrainer._tool_call_loop(me, copy.deepcopy(messages), prompt_ids, [list(f) for f in first],
+                                       completions, None, None, None)
+
+
+runner_tools = load_tools([f"{TOOLS_FILE}:add", f"{TOOLS_FILE}:fails"])
+
+
+@pytest.mark.parametrize("max_iterations", [None, 1], ids=["unbounded", "one_round"])
+def test_the_loop_gives_trls_tokens_tool_mask_and_counts(max_iterations):
+    tok = tokenizer()
+    runner = ToolRunner(runner_tools, 5.0)
+    questions = [[{"role": "user", "content": f"question {q}"}] for q in range(3)]
+    prompt_ids = [tok.apply_chat_template(m, tools=runner.schemas, tokenize=True, add_generation_prompt=True,
+                                          return_dict=False) for m in questions]
+    ours = our_side(tok, prompt_ids, runner, max_iterations)
+    per_sample = [p for p in prompt_ids for _ in range(2)]
+    theirs = trl_side(tok, [m for m in questions for _ in range(2)], per_sample, runner,
+                      max_iterations if max_iterations is not None else 10**9)
+    tool_mask, completions, completion_ids, _, calls, failures, _ = theirs
+    assert ours.ids == completion_ids
+    for i, (ids, m) in enumerate(zip(ours.ids, tool_mask)):
+        assert ours.tool_mask[i, :len(ids)].tolist() == [float(x) for x in m]
+        assert ours.mask[i].sum() == len(ids)
+    assert (ours.tool_counts["tool_calls"], ours.tool_counts["tool_failures"]) == (calls, failures)
+    # what the cases must exercise, or the equality proves little
+    assert 0.0 in ours.tool_mask[0].tolist() and ours.tool_mask[1, :len(ours.ids[1])].all()  # a tool turn; none
+    assert failures == 2  # the raising tool and the unknown one, in the first round
+    if max_iterations is None:
+        assert ours.truncated.tolist() == [False, False, False, False, True, False]
+        assert len(ours.ids[4]) == MAX_LEN
+        assert [m["role"] for m in ours.turns[2]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+        assert ours.turns[0][1]["content"] == "5" and ours.turns[0][-1]["content"] == "s0 it is 5"
+    else:
+        assert [m["role"] for m in ours.turns[2]] == ["assistant", "tool", "assistant"]  # its second call unrun
+    assert ours.texts[0].startswith('<tool_call>{"name": "add"')
+
+
+def test_the_tool_suffix_is_the_templates_tool_turn_and_the_next_assistant_header():
+    tok = tokenizer()
+    suffix = tool_suffix(tok, [{"role": "tool", "name": "add", "content": "5"}], {})
+    assert tok.decode(suffix, skip_special_tokens=False) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    turn = tok("hello<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert parse(tok, turn, [], [])["content"] == "hello"
