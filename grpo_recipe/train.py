@@ -17,7 +17,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ from grpo_recipe.dist.group import init_distributed
 from grpo_recipe.dist.link import layout
 from grpo_recipe.generation import GenerationError, Generator, build_generator, generate_on_every_rank, rollout_seed
 from grpo_recipe.generation.remote import serve
-from grpo_recipe.generation.tools import ToolRunner, check_template, load_tools, multi_turn, set_templates
+from grpo_recipe.generation.environments import Environments
+from grpo_recipe.generation.tools import ToolError, ToolRunner, check_template, load_tools, multi_turn, set_templates
 from grpo_recipe.generation.vllm import VLLMUnavailable
 from grpo_recipe.model import engine as eng
 from grpo_recipe.model.load import load_model, load_tokenizer
@@ -83,6 +84,7 @@ class Run:
     evaluator: Evaluator | None  # None: no evaluation during training
     lock: Any = None  # rank 0's hold on the output folder (grpo_recipe/run/outdir.py), kept for the run's lifetime
     tools: ToolRunner | None = None  # multi-turn rollouts: the tools the model may call
+    envs: Environments | None = None  # and the environments whose methods it may call, one per completion
 
 
 @dataclass
@@ -131,12 +133,18 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
         raise ConfigError(f"model_name_or_path: no usable tokenizer in {path}: {' '.join(str(e).split())[:300]}") \
             from None
     set_templates(tokenizer, cfg)
-    tools = None
-    if cfg.tools:
-        tools = ToolRunner(load_tools(cfg.tools), cfg.tool_timeout_s)
-        check_template(tokenizer, tools.schemas)
-    train_prompts, eval_prompts = load_datasets(cfg, *(data or ()))  # a held-out eval slice leaves the train set
+    tools = envs = None
     rewards = load_reward_funcs(cfg.reward_funcs)
+    if cfg.uses_tools:
+        standalone = load_tools(cfg.tools)
+        tools = ToolRunner(standalone, cfg.tool_timeout_s)
+        if cfg.environment_factory is not None:
+            envs = Environments(cfg.environment_factory, standalone, cfg.tool_timeout_s)
+            rewards += [RewardFunc(name, fn, 1.0, {}) for name, fn in envs.reward_funcs()]  # weight 1, as TRL's
+        check_template(tokenizer, tools.schemas or next(s for s in envs.schemas.values() if s))
+    if not rewards:
+        raise ToolError("reward_funcs: none given, and no environment defines get_reward")
+    train_prompts, eval_prompts = load_datasets(cfg, *(data or ()))  # a held-out eval slice leaves the train set
     checked = [(train_prompts, cfg.dataset_name)]
     if eval_prompts is not None:  # held out of the train set or its own: checked the same way
         checked.append((eval_prompts, cfg.eval_dataset_name or cfg.dataset_name))
@@ -182,7 +190,7 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
         evaluator = Evaluator(cfg, PromptStream(eval_prompts, tokenizer, cfg, rank, world, tools and tools.schemas),
                               generator, rewards, rank, world)
     run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator, checkpointer, evaluator, lock,
-              tools)
+              tools, envs)
     return run, state
 
 
@@ -234,7 +242,7 @@ def summarize_rollout(sums: dict[str, float], names: list[str]) -> dict:
             **{f"reward/{k}_std": s for k, (_, s) in per_func.items()}}
 
 
-def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
+def generate(run: Run, prompt_ids: list[list[int]], rollout: int, per_sample: list | None = None):
     """This rank's completions (a failure on any rank stops every rank); sampling from NaN probabilities means
     the last update broke the weights."""
     seed = rollout_seed(run.cfg.seed, rollout, run.rank, run.world)
@@ -247,7 +255,7 @@ def generate(run: Run, prompt_ids: list[list[int]], rollout: int):
             run.generator, prompts, f"{where}, tool round {k}" if k else where, n=n, rollout=rollout,
             seed=(seed + 7_919 * k) % 2**31)
         return multi_turn(turn, run.tokenizer, run.cfg, prompt_ids, run.tools,
-                          run.engine.module.config.max_position_embeddings)
+                          run.engine.module.config.max_position_embeddings, per_sample)
     except GenerationError as e:
         if re.search(r"\b(nan|inf)\b", str(e), re.IGNORECASE):
             raise NonFiniteError(f"{e}: the policy is no longer finite after the last update; resume from an "
@@ -260,11 +268,19 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     rank 0's completion samples when log_completions_steps asks for them."""
     cfg, G = run.cfg, run.cfg.num_generations
     batch = run.stream.batch(rollout)
+    rows, envs, per_sample = batch.repeat(G), None, None
+    if run.envs is not None:  # an environment per completion: its observation joins its prompt, its tools its own
+        liveness.set_phase(f"rollout {rollout}: environments")
+        envs, prompts = run.envs.start(rows.prompts, rows.columns, cfg.prompt_column,
+                                       rollout_seed(cfg.seed, rollout, run.rank, run.world))
+        schemas = run.envs.schemas_of(rows.columns, len(prompts))
+        rows = replace(rows, prompts=prompts, prompt_ids=run.stream.encode(prompts, schemas)[0],
+                       columns=rows.columns | {"environments": envs})
+        per_sample = [(run.envs.tools_of(e), s) for e, s in zip(envs, schemas)]
     liveness.set_phase(f"rollout {rollout}: generation")
     with timer("generate"):
-        comp = generate(run, batch.prompt_ids, rollout)
-    # a bad reward on any rank stops every rank with that rank's message
-    rows, error = batch.repeat(G), None
+        comp = generate(run, rows.prompt_ids if envs else batch.prompt_ids, rollout, per_sample)
+    error = None  # a bad reward on any rank stops every rank with that rank's message
     with timer("score"):
         try:
             rewards, per_func = score(run.rewards, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids,
@@ -298,7 +314,7 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     samples = None
     if run.rank == 0 and cfg.log_completions_steps:  # this rank's first groups: nothing is gathered
         samples = sample_rows(rollout, rows.prompts, comp.texts, rewards, per_func, advantages,
-                              cfg.num_prompts_to_log * G)
+                              cfg.num_prompts_to_log * G, comp.turns)
     return buf, stats, samples
 
 

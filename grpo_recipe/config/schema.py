@@ -84,6 +84,9 @@ class Config:
                       "arguments and a Google-style docstring (they make the schema the prompt shows)")
     max_tool_calling_iterations: int | None = opt(None, "tool-call rounds per completion at most; null = until "
                                                   "max_completion_length")
+    environment_factory: str | dict | None = opt(None, "module:Class (or path/file.py:Class) of an environment: one "
+                                                 "per completion, reset from its row, its public methods the tools; "
+                                                 "or {name: module:Class} chosen by an 'environment' column")
     tool_timeout_s: float = opt(30.0, "the most seconds one tool call may take: then its result is an error "
                                       "message the model reads (counted as a failure); 0 = no bound")
     # --- generation --------------------------------------------------------------------
@@ -249,6 +252,11 @@ class Config:
         return self.completions_per_rollout // self.num_generations
 
     @property
+    def uses_tools(self) -> bool:
+        """Whether rollouts are multi-turn: tools or environments the model may call."""
+        return bool(self.tools) or self.environment_factory is not None
+
+    @property
     def auto_reuse(self) -> bool:
         return self.num_iterations == "auto"
 
@@ -392,7 +400,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(not (cfg.overwrite_output_dir and cfg.resume_from_checkpoint),
          "overwrite_output_dir: cannot be combined with resume_from_checkpoint (one removes what the other "
          "continues); pass one of them")
-    need(bool(cfg.reward_funcs), "reward_funcs: at least one reward function is needed")
+    need(bool(cfg.reward_funcs) or cfg.environment_factory is not None,
+         "reward_funcs: at least one reward function is needed")
     validate_tools(cfg)
     if cfg.use_peft:
         need(cfg.lora_r >= 1, f"lora_r: must be >= 1, got {cfg.lora_r}")
@@ -418,7 +427,11 @@ def validate_tools(cfg: Config) -> None:
     need(cfg.max_tool_calling_iterations is None or cfg.max_tool_calling_iterations >= 1,
          f"max_tool_calling_iterations: must be >= 1 or null, got {cfg.max_tool_calling_iterations}")
     need(cfg.tool_timeout_s >= 0, f"tool_timeout_s: must be >= 0 (0 = no bound), got {cfg.tool_timeout_s}")
-    if not cfg.tools:
+    env = cfg.environment_factory
+    need(env is None or isinstance(env, str) and ":" in env or isinstance(env, dict) and bool(env) and all(
+        isinstance(v, str) and ":" in v for v in env.values()), "environment_factory: must be module:Class, "
+         f"path/file.py:Class or a mapping of names to them, got {env!r}")
+    if not cfg.uses_tools:
         return
     need(str(cfg.chat_template).lower() != "false", "tools: need the chat template (it writes the tools into the "
          "prompt and the results into the completion); chat_template is false")

@@ -19,7 +19,7 @@ class DataError(ValueError):
 
 
 # Names the reward functions receive as arguments: a dataset column of that name would collide with them.
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "environments")
 
 
 def _one_line(e: Exception) -> str:
@@ -226,15 +226,16 @@ class PromptStream:
             self._perms = {epoch: torch.randperm(len(self.ds), generator=g)}  # keep one epoch cached
         return self._perms[epoch]
 
-    def format(self, prompt) -> str:
-        """The text the model continues: chat-templated messages (system prompt first), or the plain prompt."""
+    def format(self, prompt, tools: list[dict] | None = None) -> str:
+        """The text the model continues: chat-templated messages (system prompt first), or the plain prompt;
+        `tools`: the schemas this prompt shows (default: the configured tools')."""
         system = self.cfg.system_prompt
         if self.use_chat:
             messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
             if system and messages[0].get("role") != "system":  # a row's own system message wins
                 messages.insert(0, {"role": "system", "content": system})
-            return self.tok.apply_chat_template(messages, tools=self.tools, tokenize=False, add_generation_prompt=True,
-                                                **self.cfg.chat_template_kwargs)
+            return self.tok.apply_chat_template(messages, tools=tools or self.tools, tokenize=False,
+                                                add_generation_prompt=True, **self.cfg.chat_template_kwargs)
         if isinstance(prompt, list):
             raise DataError(f"prompt_column: {self.cfg.prompt_column!r} holds chat messages, but no chat template "
                             "is applied (chat_template: false, or the tokenizer has none)")
@@ -255,9 +256,14 @@ class PromptStream:
     def rows(self, indices: list[int]) -> PromptBatch:
         """The dataset's rows `indices`, formatted, tokenized and truncated as training prompts."""
         rows = self.ds[indices]
-        column = self.cfg.prompt_column
-        prompts = rows.pop(column)
-        texts = [self.format(p) for p in prompts]
+        prompts = rows.pop(self.cfg.prompt_column)
+        ids, truncated = self.encode(prompts)
+        return PromptBatch(list(prompts), ids, dict(rows), truncated)
+
+    def encode(self, prompts: list, tools: list[list[dict]] | None = None) -> tuple[list[list[int]], int]:
+        """Prompts formatted (`tools`: each one's tool schemas), tokenized and cut to max_prompt_length; and how
+        many were cut."""
+        texts = [self.format(p, tools[i] if tools else None) for i, p in enumerate(prompts)]
         add_special = not self.use_chat  # a chat template already writes the special tokens
         ids = self.tok(texts, add_special_tokens=add_special)["input_ids"]
         limit = self.cfg.max_prompt_length
@@ -265,4 +271,4 @@ class PromptStream:
         ids = [list(x[-limit:]) for x in ids]  # keep the end: it holds the question and the answer cue
         if any(len(x) == 0 for x in ids):
             raise DataError("a prompt tokenized to zero tokens; check prompt_column")
-        return PromptBatch(list(prompts), ids, dict(rows), truncated)
+        return ids, truncated

@@ -55,22 +55,26 @@ class Tool:
     schema: dict
 
 
-def load_tools(specs: list[str]) -> list[Tool]:
-    """Each `module:function` with its JSON schema; a function without type hints or a docstring is refused."""
+def schema_of(fn: Callable, where: str) -> dict:
+    """The JSON schema transformers' chat templates take for `fn`; refused without type hints or a docstring."""
     from transformers.utils import get_json_schema
 
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # transformers' TypeHintParsingException / DocstringParsingException
+        raise ToolError(f"{where} has no usable schema: {' '.join(str(e).split())} (it needs a type hint on every "
+                        "argument and a docstring with an Args: section)") from None
+
+
+def load_tools(specs: list[str]) -> list[Tool]:
+    """Each `module:function` with its JSON schema."""
     tools = []
     for spec in specs:
         try:
             name, fn = import_callable(spec, "tools")
         except UserCodeError as e:
             raise ToolError(str(e)) from None
-        try:
-            schema = get_json_schema(fn)
-        except Exception as e:  # transformers' TypeHintParsingException / DocstringParsingException
-            raise ToolError(f"tools: {spec} has no usable schema: {' '.join(str(e).split())} (it needs a type hint "
-                            "on every argument and a docstring with an Args: section)") from None
-        tools.append(Tool(name, fn, schema))
+        tools.append(Tool(name, fn, schema_of(fn, f"tools: {spec}")))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise ToolError(f"tools: two tools share a name: {names}")
@@ -99,20 +103,22 @@ class ToolRunner:
         self.schemas = [t.schema for t in tools]
         self.timeout_s = timeout_s or None
 
-    def call(self, call: dict) -> tuple[str, str, bool]:
-        """(tool name, the result as the model reads it, whether the call failed)."""
+    def call(self, call: dict, tools: dict[str, Callable] | None = None) -> tuple[str, str, bool]:
+        """(tool name, the result as the model reads it, whether the call failed); `tools`: this completion's own
+        (an environment's methods), else the configured ones."""
+        tools = self.tools if tools is None else tools
         fn_call = call.get("function") or {}
         name = str(fn_call.get("name", "unknown")) if isinstance(fn_call, dict) else "unknown"
         try:
             if call.get("type") != "function" or not isinstance(fn_call, dict):
                 raise ValueError(f"Unsupported tool call type: {call.get('type')}")
-            if name not in self.tools:
+            if name not in tools:
                 raise ValueError(f"Tool {name} not found.")
             args = fn_call.get("arguments") or {}
             if not isinstance(args, dict):
                 raise ValueError(f"arguments must be an object, got {type(args).__name__}")
             with signals.bounded(f"tool {name!r}", self.timeout_s):
-                result = self.tools[name](**args)
+                result = tools[name](**args)
             return name, result if isinstance(result, str) else str(result), False
         except signals.Interrupted as e:
             if e.signal is not None:  # a stop signal: the run saves and exits
@@ -147,21 +153,24 @@ def parse(tokenizer, ids: list[int], prefix: list[int], schemas: list[dict]) -> 
 
 
 def multi_turn(generate: Callable[[list[list[int]], int | None, int], Completions], tokenizer, cfg: Config,
-               prompt_ids: list[list[int]], runner: ToolRunner, max_model_len: int) -> Completions:
+               prompt_ids: list[list[int]], runner: ToolRunner, max_model_len: int,
+               per_sample: list[tuple[dict, list[dict]]] | None = None) -> Completions:
     """Sample G completions per prompt with `generate(prompts, n, round)`, then run the tool rounds.
 
+    `per_sample` (environments): `prompt_ids` are already one per completion, each with its own (tools, schemas).
     Every rank calls `generate` the same number of times (hf generation under ZeRO-3 gathers the weights on every
     rank): a rank with no call left generates one throw-away sample while another still has calls.
     """
-    first = generate(prompt_ids, None, 0)
+    first = generate(prompt_ids, 1 if per_sample else None, 0)
     n = len(first.ids) // len(prompt_ids)
     prompts = [p for p in prompt_ids for _ in range(n)]
+    per_sample = per_sample or [(runner.tools, runner.schemas)] * len(prompts)
     ids = [list(x) for x in first.ids]
     mask = [[1] * len(x) for x in ids]  # 1: the model's tokens, 0: tool results
     logps = [row[:len(x)].tolist() if first.logps is not None else None for row, x in zip(
         first.logps if first.logps is not None else [None] * len(ids), ids)]
     truncated = first.truncated.tolist()
-    turns = [[parse(tokenizer, x, p, runner.schemas)] for x, p in zip(ids, prompts)]
+    turns = [[parse(tokenizer, x, p, schemas)] for x, p, (_, schemas) in zip(ids, prompts, per_sample)]
     calls = failures = rounds = 0
     pending = [i for i, t in enumerate(turns) if t[-1].get("tool_calls") and not truncated[i]]
     limit = cfg.max_tool_calling_iterations or float("inf")
@@ -171,7 +180,7 @@ def multi_turn(generate: Callable[[list[list[int]], int | None, int], Completion
         for i in pending:
             results = []
             for call in turns[i][-1]["tool_calls"]:
-                name, content, failed = runner.call(call)
+                name, content, failed = runner.call(call, per_sample[i][0])
                 calls, failures = calls + 1, failures + failed
                 results.append({"role": "tool", "name": name, "content": content})
             suffix = tool_suffix(tokenizer, results, cfg.chat_template_kwargs)
@@ -198,7 +207,7 @@ def multi_turn(generate: Callable[[list[list[int]], int | None, int], Completion
             if logps[i] is not None:
                 logps[i] += out.logps[j, :len(new)].tolist() if out.logps is not None else [0.0] * len(new)
             truncated[i] = bool(out.truncated[j]) or len(out.ids[j]) > room
-            turns[i].append(parse(tokenizer, new, cont[j], runner.schemas) if new else {})
+            turns[i].append(parse(tokenizer, new, cont[j], per_sample[i][1]) if new else {})
             if turns[i][-1].get("tool_calls") and not truncated[i]:
                 pending.append(i)
     return completions_of(tokenizer, ids, mask, logps, truncated, turns, {"tool_calls": calls,

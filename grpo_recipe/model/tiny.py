@@ -3,6 +3,8 @@
 `model_name_or_path: builtin:tiny-qwen2` resolves to this folder, so the quickstart and the tests need
 no network. Head size 32 (hidden 128, 4 heads) so vLLM's CPU attention supports it too. A smaller
 sibling, builtin:tiny-qwen2-h64 (hidden 64), is the model of the reuse benchmarks' TRL-comparable regime.
+builtin:tiny-qwen2-tools speaks ChatML with tool calls (the shipped chatml_tools templates, <|im_end|> ending a
+turn) and is warmed up on grpo_recipe/assets/tool_demos.jsonl (model/sft.py): the multi-turn quickstarts' model.
 """
 from __future__ import annotations
 
@@ -12,7 +14,13 @@ import tempfile
 from pathlib import Path
 
 # name -> (hidden size, MLP size, attention heads, key/value heads); same tokenizer for all
-BUILTIN_MODELS = {"builtin:tiny-qwen2": (128, 256, 4, 2), "builtin:tiny-qwen2-h64": (64, 128, 2, 1)}
+BUILTIN_MODELS = {"builtin:tiny-qwen2": (128, 256, 4, 2), "builtin:tiny-qwen2-h64": (64, 128, 2, 1),
+                  "builtin:tiny-qwen2-tools": (128, 256, 4, 2)}
+ASSETS = Path(__file__).parents[1] / "assets"
+# builtin:tiny-qwen2-tools: its warm-up (steps, learning rate) on the demos; enough to follow the turn format
+# loosely, so that its runs still have something to learn
+TOOLS_WARMUP = (150, 3e-3)
+CHATML = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 VERSION = "v1"  # bump when the recipe below changes, so stale caches are not reused
 CORPUS = Path(__file__).parents[1] / "assets" / "tldr_prompts.jsonl"
 # Qwen2's own pre-tokenization: AutoTokenizer loads a folder with a qwen2 config.json as Qwen2Tokenizer,
@@ -26,7 +34,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("GRPO_RECIPE_CACHE", Path.home() / ".cache" / "grpo_recipe"))
 
 
-def build_tokenizer(vocab_size: int = 512):
+def build_tokenizer(vocab_size: int = 512, chatml: bool = False):
+    """The byte-level BPE tokenizer; `chatml`: with ChatML's turn markers and tool-call tags as special tokens,
+    <|im_end|> as EOS, and the shipped tool-calling chat and response templates."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,18 +47,24 @@ def build_tokenizer(vocab_size: int = 512):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS] + (CHATML if chatml else []),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([line for line in CORPUS.read_text().splitlines()], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, padding_side="left",
-                                   model_max_length=1024)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>" if chatml else EOS, pad_token=EOS,
+                                   padding_side="left", model_max_length=1024)
+    if chatml:
+        import json
+
+        fast.chat_template = (ASSETS / "chatml_tools.jinja").read_text()
+        fast.response_template = json.loads((ASSETS / "chatml_tools_response.json").read_text())
+    return fast
 
 
 def build_model(tokenizer, seed: int = 0, shape: tuple = BUILTIN_MODELS["builtin:tiny-qwen2"]):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    eos = tokenizer.convert_tokens_to_ids(EOS)
+    eos = tokenizer.eos_token_id
     hidden, intermediate, heads, kv_heads = shape
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -115,8 +131,12 @@ def ensure_builtin(name: str) -> Path:
         if not missing:
             return target  # another process built it while we waited
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-        tok = build_tokenizer()
-        save_model(build_model(tok, shape=BUILTIN_MODELS[name]), tmp)
+        tools = name == "builtin:tiny-qwen2-tools"
+        tok = build_tokenizer(chatml=tools)
+        model = build_model(tok, shape=BUILTIN_MODELS[name])
+        if tools:
+            warm_up_on_tool_demos(model, tok, say)
+        save_model(model, tmp)
         tok.save_pretrained(tmp)
         if missing_files(tmp):
             raise RuntimeError(f"building {name} in {tmp} left out {', '.join(missing_files(tmp))}")
@@ -127,3 +147,17 @@ def ensure_builtin(name: str) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         os.rename(tmp, target)
     return target
+
+
+def warm_up_on_tool_demos(model, tok, say) -> None:
+    import json
+
+    import torch
+
+    from grpo_recipe.model.sft import warm_up
+
+    demos = [json.loads(line) for line in (ASSETS / "tool_demos.jsonl").read_text().splitlines()]
+    steps, lr = TOOLS_WARMUP
+    say(f"warming builtin:tiny-qwen2-tools up on {len(demos)} tool-use conversations ({steps} steps)")
+    with torch.random.fork_rng():  # the caller's random state is not the warm-up's business
+        warm_up(model, tok, demos, steps, lr, seed=0)

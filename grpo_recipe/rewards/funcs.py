@@ -275,13 +275,15 @@ def score(funcs: list[RewardFunc], prompts: list, completions: list[str], column
           where: str = "", turns: list[list[dict]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total weighted reward per completion, and each function's raw values (NaN where not applicable).
 
-    `completions` are texts; for conversational prompts they reach the functions as [assistant message], or
-    with `turns` (multi-turn rollouts) as each completion's messages: assistant turns and tool results, as in TRL.
+    `completions` are texts; for conversational prompts they reach the functions as [assistant message]; with
+    `turns` (multi-turn rollouts) as each completion's messages: assistant turns and tool results, as in TRL.
     Each function call is bounded by `timeout_s` (None: unbounded); `where` prefixes the phase a stuck rank
     is named with (e.g. "rollout 3: ").
     """
-    if prompts and is_conversational(prompts[0]):
-        completions = turns or [[{"role": "assistant", "content": c}] for c in completions]
+    if turns is not None:  # multi-turn rollouts run through the chat template: their messages, whatever the prompts
+        completions = turns
+    elif prompts and is_conversational(prompts[0]):
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
     inputs = {**columns, "prompts": prompts, "completions": completions,
               "completion_ids": completion_ids if completion_ids is not None else [[] for _ in completions]}
     outs = _call_all(funcs, inputs, timeout_s, where)

@@ -77,12 +77,13 @@ class MetricsLogger:
 
 
 def sample_rows(rollout: int, prompts: list, completions: list[str], rewards, per_func: dict, advantages,
-                count: int) -> list[dict]:
+                count: int, turns: list | None = None) -> list[dict]:
     """The first `count` completions of a rollout as flat rows: prompt, completion, reward (total and per
-    function: null where it does not apply) and advantage."""
+    function: null where it does not apply) and advantage; with `turns` (multi-turn), each one's messages."""
     value = lambda x: None if math.isnan(float(x)) else float(x)  # noqa: E731 (a function's None is NaN here)
     return [{"generation": rollout, "prompt": prompts[i], "completion": completions[i], "reward": float(rewards[i]),
-             **{f"reward/{k}": value(v[i]) for k, v in per_func.items()}, "advantage": float(advantages[i])}
+             **{f"reward/{k}": value(v[i]) for k, v in per_func.items()}, "advantage": float(advantages[i]),
+             **({"turns": turns[i]} if turns else {})}
             for i in range(min(count, len(completions)))]
 
 
