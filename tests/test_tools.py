@@ -184,3 +184,26 @@ def test_the_tool_suffix_is_the_templates_tool_turn_and_the_next_assistant_heade
     assert tok.decode(suffix, skip_special_tokens=False) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
     turn = tok("hello<|im_end|>", add_special_tokens=False)["input_ids"]
     assert parse(tok, turn, [], [])["content"] == "hello"
+
+
+@pytest.mark.slow
+def test_the_tools_quickstart_learns_to_call_and_counts_its_calls(tmp_path):
+    from conftest import torchrun
+
+    from grpo_recipe.run.metrics import read_jsonl
+
+    out = tmp_path / "out"
+    torchrun(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart_tools.yaml",
+                 "--disable_tqdm", "true", "--output_dir", str(out), "--log_completions_steps", "30"])
+    records = read_jsonl(out / "metrics.jsonl")
+    quarter = len(records) // 4
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    first, last = mean(records[:quarter], "reward_mean"), mean(records[-quarter:], "reward_mean")
+    assert last > first + 0.15, (first, last)  # only the word the tool returns pays
+    assert mean(records[-quarter:], "tool_calls_per_completion") > mean(records[:quarter], "tool_calls_per_completion")
+    assert all(0 < r["tool_tokens_per_completion"] < r["completion_length_mean"] for r in records)
+    samples = read_jsonl(out / "completions.jsonl")
+    called = [s for s in samples if any(m["role"] == "tool" for m in s["turns"])]
+    results = [m["content"] for s in called for m in s["turns"] if m["role"] == "tool"]
+    assert "swordfish" in results  # what the tool returns, or what a misspelt call gets back
+    assert all(r == "swordfish" or r.startswith("{'error': 'Tool ") for r in results), results
