@@ -30,13 +30,15 @@ class GRPORun:
     defaults). `reward_funcs`: functions (or {func, weight, kwargs} mappings with a function) in place of the
     config's; each takes TRL's arguments and returns one float per completion. `train_dataset`, `eval_dataset`:
     `datasets.Dataset` objects in place of dataset_name / eval_dataset_name (with `prompt_column` and the
-    columns the rewards read). `overrides`: fields set on top. A bad config raises ConfigError here, before
+    columns the rewards read). `tools`, `environment_factory`: functions and an environment class (or a mapping
+    of names to classes) for multi-turn rollouts, as TRL's GRPOTrainer takes them. `overrides`: fields set on top. A bad config raises ConfigError here, before
     anything starts; the run itself reports problems as grpo-train does and returns its exit code. `argv`
     (e.g. sys.argv[1:]): `--key value` fields on top of everything, as a launcher passes them.
     """
 
     def __init__(self, config: Config | dict | str | Path | None = None, *, reward_funcs: list | None = None,
-                 train_dataset=None, eval_dataset=None, argv: list[str] | None = None, **overrides: Any):
+                 train_dataset=None, eval_dataset=None, tools: list | None = None, environment_factory=None,
+                 argv: list[str] | None = None, **overrides: Any):
         if isinstance(config, Config):
             values = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}
         elif isinstance(config, dict):
@@ -53,6 +55,10 @@ class GRPORun:
             values.update(cli)
         if reward_funcs is not None:
             values["reward_funcs"] = list(reward_funcs)
+        if tools is not None:  # functions, as TRL's GRPOTrainer(tools=...) takes them
+            values["tools"] = list(tools)
+        if environment_factory is not None:  # a class (or {name: class}), as TRL's environment_factory
+            values["environment_factory"] = environment_factory
         if eval_dataset is not None and train_dataset is None:
             raise ConfigError("eval_dataset: give train_dataset too (or eval_dataset_name with the config's data)")
         if train_dataset is not None:  # its fingerprint stands for it in the config a checkpoint records

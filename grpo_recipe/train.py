@@ -17,7 +17,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +188,7 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
     evaluator = None
     if eval_prompts is not None and (cfg.eval_steps or cfg.eval_on_start):
         evaluator = Evaluator(cfg, PromptStream(eval_prompts, tokenizer, cfg, rank, world, tools and tools.schemas),
-                              generator, rewards, rank, world)
+                              generator, rewards, rank, world, tools, envs, max_model_len(cfg, engine))
     run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator, checkpointer, evaluator, lock,
               tools, envs)
     return run, state
@@ -242,6 +242,13 @@ def summarize_rollout(sums: dict[str, float], names: list[str]) -> dict:
             **{f"reward/{k}_std": s for k, (_, s) in per_func.items()}}
 
 
+def max_model_len(cfg: Config, engine) -> int:
+    """The longest sequence generation may be asked to continue: vLLM's context, or the model's positions."""
+    if cfg.generation_backend == "vllm":
+        return cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.max_completion_length
+    return engine.module.config.max_position_embeddings
+
+
 def generate(run: Run, prompt_ids: list[list[int]], rollout: int, per_sample: list | None = None):
     """This rank's completions (a failure on any rank stops every rank); sampling from NaN probabilities means
     the last update broke the weights."""
@@ -254,8 +261,8 @@ def generate(run: Run, prompt_ids: list[list[int]], rollout: int, per_sample: li
         turn = lambda prompts, n, k: generate_on_every_rank(  # noqa: E731
             run.generator, prompts, f"{where}, tool round {k}" if k else where, n=n, rollout=rollout,
             seed=(seed + 7_919 * k) % 2**31)
-        return multi_turn(turn, run.tokenizer, run.cfg, prompt_ids, run.tools,
-                          run.engine.module.config.max_position_embeddings, per_sample)
+        return multi_turn(turn, run.tokenizer, run.cfg, prompt_ids, run.tools, max_model_len(run.cfg, run.engine),
+                          per_sample)
     except GenerationError as e:
         if re.search(r"\b(nan|inf)\b", str(e), re.IGNORECASE):
             raise NonFiniteError(f"{e}: the policy is no longer finite after the last update; resume from an "
@@ -268,18 +275,13 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     rank 0's completion samples when log_completions_steps asks for them."""
     cfg, G = run.cfg, run.cfg.num_generations
     batch = run.stream.batch(rollout)
-    rows, envs, per_sample = batch.repeat(G), None, None
+    rows, per_sample = batch.repeat(G), None
     if run.envs is not None:  # an environment per completion: its observation joins its prompt, its tools its own
         liveness.set_phase(f"rollout {rollout}: environments")
-        envs, prompts = run.envs.start(rows.prompts, rows.columns, cfg.prompt_column,
-                                       rollout_seed(cfg.seed, rollout, run.rank, run.world))
-        schemas = run.envs.schemas_of(rows.columns, len(prompts))
-        rows = replace(rows, prompts=prompts, prompt_ids=run.stream.encode(prompts, schemas)[0],
-                       columns=rows.columns | {"environments": envs})
-        per_sample = [(run.envs.tools_of(e), s) for e, s in zip(envs, schemas)]
+        rows, per_sample = run.envs.prepare(run.stream, rows, rollout_seed(cfg.seed, rollout, run.rank, run.world))
     liveness.set_phase(f"rollout {rollout}: generation")
     with timer("generate"):
-        comp = generate(run, rows.prompt_ids if envs else batch.prompt_ids, rollout, per_sample)
+        comp = generate(run, rows.prompt_ids if per_sample else batch.prompt_ids, rollout, per_sample)
     error = None  # a bad reward on any rank stops every rank with that rank's message
     with timer("score"):
         try:

@@ -93,7 +93,8 @@ def test_the_env_quickstart_learns_and_counts_its_tool_calls(tmp_path):
 
 @pytest.mark.slow
 def test_a_sigkilled_env_run_resumes_bit_identically(tmp_path):
-    run = [*QUICKSTART, "--max_steps", "10", "--save_steps", "3", "--save_total_limit", "0"]
+    run = [*QUICKSTART, "--max_steps", "10", "--save_steps", "3", "--save_total_limit", "0",
+           "--eval_steps", "5", "--eval_on_start", "true", "--eval_holdout_size", "4", "--eval_num_generations", "2"]
     ref = tmp_path / "ref"
     torchrun(2, [*run, "--output_dir", str(ref)])
     out = tmp_path / "out"
@@ -107,5 +108,20 @@ def test_a_sigkilled_env_run_resumes_bit_identically(tmp_path):
     wa, wb = weights(ref), weights(out)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     ra, rb = comparable(read_jsonl(ref / "metrics.jsonl")), comparable(read_jsonl(out / "metrics.jsonl"))
-    assert ra == rb and [r["step"] for r in rb] == list(range(1, 11))
-    assert sum(r["tool_calls_per_completion"] for r in rb) > 0
+    assert ra == rb and [r["step"] for r in rb if "reward_mean" in r] == list(range(1, 11))
+    assert sum(r.get("tool_calls_per_completion", 0) for r in rb) > 0
+    evals = [r for r in rb if "eval/greedy/reward/Lamp" in r]  # evaluated with the environment, as trained
+    assert [r["step"] for r in evals] == [0, 5, 10] and all(0 <= r["eval/sampled/reward/Lamp"] <= 1 for r in evals)
+
+
+def test_grporun_takes_tools_and_environments_as_python_objects_and_records_their_names():
+    from grpo_recipe import GRPORun
+    from grpo_recipe.examples.tool_games import Lamp, secret_word
+
+    run = GRPORun("grpo_recipe/configs/quickstart_env.yaml", environment_factory={"lamp": Lamp}, tools=[secret_word])
+    assert run.config.environment_factory == {"lamp": Lamp} and run.config.tools == [secret_word]
+    named = run.config.to_dict()  # what a checkpoint records and compares on resume
+    assert named["environment_factory"] == {"lamp": "grpo_recipe.examples.tool_games:Lamp"}
+    assert named["tools"] == ["grpo_recipe.examples.tool_games:secret_word"]
+    envs = Environments(run.config.environment_factory, load_tools(run.config.tools))
+    assert [s["function"]["name"] for s in envs.schemas["lamp"]] == ["secret_word", "switch"]

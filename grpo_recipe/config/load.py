@@ -26,6 +26,9 @@ def training_defaults() -> dict:
             if f.default is not dataclasses.MISSING}
 
 
+PYTHON_OBJECT_FIELDS = ("environment_factory",)  # module:Class fields that GRPORun may give as the class itself
+
+
 def _coerce(name: str, value: Any, typ: Any) -> Any:
     """Check/convert one value against its annotated type; raise ConfigError naming the field."""
     args = typing.get_args(typ)
@@ -59,6 +62,10 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
                 pass
         if a is str and isinstance(value, str):
             return value
+        if a is dict and isinstance(value, dict):
+            return value
+    if callable(value) and name in PYTHON_OBJECT_FIELDS:  # a class given from Python stands for its module:name
+        return value
     if str in allowed and not isinstance(value, (dict, list)):
         return str(value)
     names = " or ".join(getattr(a, "__name__", str(a)) for a in allowed)

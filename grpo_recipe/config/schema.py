@@ -286,6 +286,9 @@ class Config:
         """The fields as JSON-able data (a reward function given as a Python object appears as module:name)."""
         out = dataclasses.asdict(self)
         out["reward_funcs"] = [_named(f) for f in out["reward_funcs"]]
+        out["tools"] = [_named(f) for f in out["tools"]]
+        env = out["environment_factory"]
+        out["environment_factory"] = {k: _named(v) for k, v in env.items()} if isinstance(env, dict) else _named(env)
         return out
 
 
@@ -422,14 +425,15 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
 
 def validate_tools(cfg: Config) -> None:
-    need(all(isinstance(t, str) and ":" in t for t in cfg.tools),
+    named = lambda x: callable(x) or isinstance(x, str) and ":" in x  # noqa: E731 (Python objects from GRPORun)
+    need(all(named(t) for t in cfg.tools),
          f"tools: must be a list of module:function or path/file.py:function, got {cfg.tools!r}")
     need(cfg.max_tool_calling_iterations is None or cfg.max_tool_calling_iterations >= 1,
          f"max_tool_calling_iterations: must be >= 1 or null, got {cfg.max_tool_calling_iterations}")
     need(cfg.tool_timeout_s >= 0, f"tool_timeout_s: must be >= 0 (0 = no bound), got {cfg.tool_timeout_s}")
     env = cfg.environment_factory
-    need(env is None or isinstance(env, str) and ":" in env or isinstance(env, dict) and bool(env) and all(
-        isinstance(v, str) and ":" in v for v in env.values()), "environment_factory: must be module:Class, "
+    need(env is None or named(env) or isinstance(env, dict) and bool(env) and all(named(v) for v in env.values()),
+         "environment_factory: must be module:Class, "
          f"path/file.py:Class or a mapping of names to them, got {env!r}")
     if not cfg.uses_tools:
         return

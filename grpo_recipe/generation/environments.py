@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import random
+from dataclasses import replace
 from typing import Any, Callable
 
 from grpo_recipe.config.usercode import UserCodeError, import_callable
@@ -37,7 +38,7 @@ class Environments:
         for name, target in specs.items():
             where = "environment_factory" + (f" {name!r}" if self.multi else "")
             try:
-                _, factory = import_callable(str(target), "environment_factory")
+                factory = target if callable(target) else import_callable(str(target), "environment_factory")[1]
             except UserCodeError as e:
                 raise ToolError(str(e)) from None
             try:
@@ -105,6 +106,15 @@ class Environments:
 
     def schemas_of(self, columns: dict[str, list], n: int) -> list[list[dict]]:
         return [self.schemas[name] for name in self.names(columns, n)]
+
+    def prepare(self, stream, rows, seed: int):
+        """`rows` (a PromptBatch, one row per completion) with each completion's environment reset: its prompt
+        (with the observation) re-encoded, `environments` among its columns; and each one's (tools, schemas)."""
+        envs, prompts = self.start(rows.prompts, rows.columns, stream.cfg.prompt_column, seed)
+        schemas = self.schemas_of(rows.columns, len(prompts))
+        rows = replace(rows, prompts=prompts, prompt_ids=stream.encode(prompts, schemas)[0],
+                       columns=rows.columns | {"environments": envs})
+        return rows, [(self.tools_of(e), s) for e, s in zip(envs, schemas)]
 
     def reward_funcs(self) -> list[tuple[str, Callable]]:
         """(class name, reward function) for each environment class with get_reward: it scores the completions

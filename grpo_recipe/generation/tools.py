@@ -71,10 +71,10 @@ def load_tools(specs: list[str]) -> list[Tool]:
     tools = []
     for spec in specs:
         try:
-            name, fn = import_callable(spec, "tools")
+            name, fn = (spec.__name__, spec) if callable(spec) else import_callable(spec, "tools")
         except UserCodeError as e:
             raise ToolError(str(e)) from None
-        tools.append(Tool(name, fn, schema_of(fn, f"tools: {spec}")))
+        tools.append(Tool(name, fn, schema_of(fn, f"tools: {name if callable(spec) else spec}")))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise ToolError(f"tools: two tools share a name: {names}")

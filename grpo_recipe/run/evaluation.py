@@ -17,6 +17,7 @@ import torch
 from grpo_recipe.dist import signals
 from grpo_recipe.dist.collectives import all_reduce_named, device
 from grpo_recipe.generation import generate_on_every_rank
+from grpo_recipe.generation.tools import multi_turn
 from grpo_recipe.rewards.funcs import RewardError, RewardStopped, score
 from grpo_recipe.run.checkpoint import rng_state, set_rng_state
 
@@ -33,9 +34,12 @@ def shard(n: int, rank: int, world: int) -> tuple[list[int], torch.Tensor]:
 
 
 class Evaluator:
-    def __init__(self, cfg, stream, generator, reward_funcs, rank: int, world: int):
-        """`stream`: a PromptStream over the eval prompts (formats them exactly as training does)."""
+    def __init__(self, cfg, stream, generator, reward_funcs, rank: int, world: int, tools=None, envs=None,
+                 max_model_len: int | None = None):
+        """`stream`: a PromptStream over the eval prompts (formats them exactly as training does); `tools`,
+        `envs`: multi-turn rollouts, evaluated with their tools and environments as they are trained."""
         self.cfg, self.stream, self.generator, self.funcs = cfg, stream, generator, reward_funcs
+        self.tools, self.envs, self.max_model_len = tools, envs, max_model_len
         self.rank = rank
         self.indices, self.weights = shard(len(stream.ds), rank, world)
         self.per_rank = len(self.indices)
@@ -53,6 +57,20 @@ class Evaluator:
             set_rng_state(rng)
         return {"eval/prompts": len(self.stream.ds), **out, "eval/time_s": time.perf_counter() - t0}
 
+    def _generate(self, batch, seed: int, n: int, greedy: bool, where: str):
+        """Completions of `batch` (n each) and its rows repeated to match; multi-turn when the run has tools."""
+        rows = batch.repeat(n)
+        if self.tools is None:
+            return generate_on_every_rank(self.generator, batch.prompt_ids, where, seed=seed, n=n, greedy=greedy), rows
+        per_sample, prompt_ids = None, batch.prompt_ids
+        if self.envs is not None:
+            rows, per_sample = self.envs.prepare(self.stream, rows, seed)
+            prompt_ids = rows.prompt_ids
+        turn = lambda prompts, k_n, k: generate_on_every_rank(  # noqa: E731
+            self.generator, prompts, f"{where}, tool round {k}" if k else where, seed=(seed + 7_919 * k) % 2**31,
+            n=k_n or n, greedy=greedy)
+        return multi_turn(turn, self.stream.tok, self.cfg, prompt_ids, self.tools, self.max_model_len, per_sample), rows
+
     def _mode(self, step: int, greedy: bool) -> dict:
         cfg = self.cfg
         n = 1 if greedy else cfg.eval_num_generations
@@ -65,12 +83,11 @@ class Evaluator:
         for start in range(0, self.per_rank, size):
             batch = self.stream.rows(self.indices[start:start + size])
             seed = (cfg.seed + EVAL_SEED * (step + 1) + self.rank * 1000 + start) % 2**31
-            comp = generate_on_every_rank(self.generator, batch.prompt_ids, f"evaluation generation at step {step}",
-                                          seed=seed, n=n, greedy=greedy)
-            rows = batch.repeat(n)
+            comp, rows = self._generate(batch, seed, n, greedy, f"evaluation generation at step {step}")
             try:
                 total, per_func = score(self.funcs, rows.prompts, comp.texts, rows.columns, completion_ids=comp.ids,
-                                        timeout_s=cfg.reward_timeout_s or None, where=f"evaluation at step {step}: ")
+                                        timeout_s=cfg.reward_timeout_s or None, where=f"evaluation at step {step}: ",
+                                        turns=comp.turns)
             except RewardError as e:  # keep making the collective calls; every rank raises after the all-reduce
                 error = error or e
                 continue
