@@ -207,3 +207,14 @@ def test_the_tools_quickstart_learns_to_call_and_counts_its_calls(tmp_path):
     results = [m["content"] for s in called for m in s["turns"] if m["role"] == "tool"]
     assert "swordfish" in results  # what the tool returns, or what a misspelt call gets back
     assert all(r == "swordfish" or r.startswith("{'error': 'Tool ") for r in results), results
+
+
+def test_the_calculator_example_computes_and_refuses_anything_but_arithmetic():
+    from grpo_recipe.examples.calculator import calculator, correct_final_answer
+
+    assert calculator("37 * 41 + 19") == "1536" and calculator("-5 - 2 * 3") == "-11"
+    for bad in ("__import__('os')", "2 ** 99999", "1 / 0", "x + 1"):
+        with pytest.raises((ValueError, SyntaxError)):
+            calculator(bad)
+    turns = [[{"role": "assistant", "content": "Answer: 1536"}], [{"role": "tool", "content": "1536"}], "1536"]
+    assert correct_final_answer(None, turns, ["1536"] * 3) == [1.0, 0.0, 1.0]
