@@ -9,11 +9,12 @@ One folder per concern. Each imports only the folders before it in this order (t
                 protocol, the reuse rule, the LR schedule, the phase clock. torch only, no DeepSpeed import.
     data        prompt datasets: loading, formatting, truncation, rank sharding, epoch order.
     rewards     built-in and user reward functions: loading, weighting, output validation, scoring.
-    model       where a model comes from, loading (partitioned, LoRA), the DeepSpeed engines, saving.
-    generation  one interface (generate, sync, close) and its backends, transformers and vLLM.
+    model       where a model comes from, loading (partitioned, LoRA), the DeepSpeed engines, saving, a warm-up.
+    generation  one interface (generate, sync, close) and its backends, transformers and vLLM; multi-turn
+                rollouts with tools and environments.
     run         the parts of a run: preflight, output folder, checkpoints, metrics, trackers, evaluation.
-    tools       the command-line programs: evaluate, export, prepare_model, prepare_data, make_gsm8k_like.
-    examples    reward functions for the shipped configs (user code: imports what a user's would).
+    tools       the command-line programs: evaluate, export, prepare_model, prepare_data, make_gsm8k_like, sft.
+    examples    rewards, tools and environments for the shipped configs (user code: imports what a user's would).
     train       the recipe: setup and the training loop (`python -m grpo_recipe.train`, `grpo-train`).
     api         the recipe from Python: `from grpo_recipe import GRPORun` (a user's own script).
 
