@@ -150,6 +150,17 @@ def smollm2_learns(results: Path) -> str:
             f"{c['accuracy_after']:.3f} on {c['n']} more (p = {c['paired']['mcnemar_exact_p']:.0e})")
 
 
+def smollm2_tools(results: Path) -> str:
+    """docs/tools.md and docs/benchmarks.md: the calculator example's accuracies, from untrained to after GRPO."""
+    r = _load(results, "smollm2_tools.json")
+    plain, probe, warm, g = (r["untrained_without_tools"], r["untrained_with_tool_template"], r["warm_up"],
+                             r["grpo"])
+    return (f"on {plain['n']} held-out three-term questions, untrained: {plain['accuracy']:.3f} without a tool and "
+            f"{probe['calls']} calls of the calculator when the template shows it; after a {warm['steps']}-step "
+            f"warm-up, {g['eval_accuracy_before']:.3f} with the tool; after {g['steps']} GRPO steps, "
+            f"{g['eval_accuracy_after']:.3f}")
+
+
 def whole_run_memory(results: Path) -> str:
     w = _load(results, "scale.json")["whole_run"]["default_policy_worst"]
     return f"{w['1']:.2f}x the fp32 model at world 1 (goal 5.0x), {w['2']:.2f}x at world 2 (goal 3.0x)"
@@ -948,7 +959,7 @@ def regimes_gather_gains(results: Path) -> str:
 
 BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "lora-optimizer-state": lora_optimizer_state, "vllm-speedup": vllm_speedup,
-          "smollm2-learns": smollm2_learns, "whole-run-memory": whole_run_memory,
+          "smollm2-learns": smollm2_learns, "smollm2-tools": smollm2_tools, "whole-run-memory": whole_run_memory,
           "trl-default-differences": trl_default_differences, "regimes-bars": regimes_bars,
           "lora-memory-table": lora_memory_table, "lora-vllm-peaks": lora_vllm_peaks, "status": status,
           "vs-trl-phases": vs_trl_phases, "vs-trl-recipe-zero-step": vs_trl_recipe_zero_step,
