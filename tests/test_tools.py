@@ -16,6 +16,7 @@ from grpo_recipe.generation.tools import (ToolError, ToolRunner, check_template,
 from grpo_recipe.model.tiny import build_tokenizer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from trl.chat_template_utils import parse_response as trl_parse_response  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 
 HERE = os.path.dirname(__file__)
@@ -100,9 +101,11 @@ SCRIPT = {
     4: ['<tool_call>{"name": "add", "arguments": {"a": 4, "b": 4}}</tool_call><|im_end|>',
         "s4 " + "and on " * 60 + "<|im_end|>"],  # runs past the budget: truncated
     5: ['<tool_call>{"name": "nope", "arguments": {}}</tool_call><|im_end|>', "s5 fine<|im_end|>"],
+    6: ['<tool_call>{"name": "add", "arguments": {"a": 1</tool_call><|im_end|>'],  # not JSON: text, no call
+    7: ['<tool_call>{"name": 5, "arguments": {}}</tool_call><|im_end|>'],  # no function name: text, no call
 }
 MARKS = {0: "\"a\": 2, \"b\": 3", 2: "\"a\": 1, \"b\": 1", 3: "fails",
-         4: "\"a\": 4", 5: "nope", 1: "s1 no tools"}
+         4: "\"a\": 4", 5: "nope", 1: "s1 no tools", 6: "\"a\": 1</tool_call>", 7: "\"name\": 5"}
 MAX_LEN = 160
 
 
@@ -131,7 +134,7 @@ def trl_side(tok, messages, prompt_ids, runner, max_iterations):
     """TRL 1.16's `_tool_call_loop` itself, on a stand-in for the trainer state it reads."""
     tools = list(runner.tools.values())
     me = SimpleNamespace(
-        _sync_tool_dicts=[dict(runner.tools)] * 6, _async_tool_dicts=[{}] * 6, max_tool_calling_iterations=max_iterations,
+        _sync_tool_dicts=[dict(runner.tools)] * 8, _async_tool_dicts=[{}] * 8, max_tool_calling_iterations=max_iterations,
         use_vllm=False, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096)), _is_vlm=False,
         max_completion_length=MAX_LEN, environment_factories=None, tools=tools, processing_class=tok,
         _tokenizer=tok, chat_template=None, chat_template_kwargs={})
@@ -139,8 +142,8 @@ def trl_side(tok, messages, prompt_ids, runner, max_iterations):
     me._generate_single_turn = lambda ids, *a, **k: ([model_turn(tok, x) for x in ids], None)
     first = [model_turn(tok, p, first=j) for j, p in enumerate(prompt_ids)]
     first = [f[:f.index(tok.eos_token_id) + 1] for f in first]
-    completions = [[tok.parse_response(f, prefix=p, tools=[t.schema for t in runner_tools])]
-                   for f, p in zip(first, prompt_ids)]
+    completions = [[trl_parse_response(tok, f, prefix=p, tools=[t.schema for t in runner_tools])]
+                   for f, p in zip(first, prompt_ids)]  # as TRL's _generate reads first turns
     return GRPOTrainer._tool_call_loop(me, copy.deepcopy(messages), prompt_ids, [list(f) for f in first],
                                        completions, None, None, None)
 
@@ -152,7 +155,7 @@ runner_tools = load_tools([f"{TOOLS_FILE}:add", f"{TOOLS_FILE}:fails"])
 def test_the_loop_gives_trls_tokens_tool_mask_and_counts(max_iterations):
     tok = tokenizer()
     runner = ToolRunner(runner_tools, 5.0)
-    questions = [[{"role": "user", "content": f"question {q}"}] for q in range(3)]
+    questions = [[{"role": "user", "content": f"question {q}"}] for q in range(4)]
     prompt_ids = [tok.apply_chat_template(m, tools=runner.schemas, tokenize=True, add_generation_prompt=True,
                                           return_dict=False) for m in questions]
     ours = our_side(tok, prompt_ids, runner, max_iterations)
@@ -169,13 +172,15 @@ def test_the_loop_gives_trls_tokens_tool_mask_and_counts(max_iterations):
     assert 0.0 in ours.tool_mask[0].tolist() and ours.tool_mask[1, :len(ours.ids[1])].all()  # a tool turn; none
     assert failures == 2  # the raising tool and the unknown one, in the first round
     if max_iterations is None:
-        assert ours.truncated.tolist() == [False, False, False, False, True, False]
+        assert ours.truncated.tolist() == [False, False, False, False, True, False, False, False]
         assert len(ours.ids[4]) == MAX_LEN
         assert [m["role"] for m in ours.turns[2]] == ["assistant", "tool", "assistant", "tool", "assistant"]
         assert ours.turns[0][1]["content"] == "5" and ours.turns[0][-1]["content"] == "s0 it is 5"
     else:
         assert [m["role"] for m in ours.turns[2]] == ["assistant", "tool", "assistant"]  # its second call unrun
     assert ours.texts[0].startswith('<tool_call>{"name": "add"')
+    assert all(len(t) == 1 and "tool_calls" not in t[0] for t in ours.turns[6:])  # malformed calls: text
+    assert (completions[6][-1].get("tool_calls"), completions[7][-1].get("tool_calls")) == (None, None)
 
 
 def test_the_tool_suffix_is_the_templates_tool_turn_and_the_next_assistant_header():

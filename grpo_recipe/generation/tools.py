@@ -144,11 +144,31 @@ def tool_suffix(tokenizer, tool_messages: list[dict], template_kwargs: dict) -> 
     return full[len(prefix):]
 
 
+def _check_calls(calls) -> None:
+    """Calls as the loop runs them: each a dict naming a function (TRL's rule); no arguments reads as {}."""
+    if not isinstance(calls, list):
+        raise ValueError("tool_calls must be a list")
+    for call in calls:
+        body = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            raise ValueError("a tool call without a function name")
+        if body.get("arguments") is None:
+            body["arguments"] = {}
+
+
 def parse(tokenizer, ids: list[int], prefix: list[int], schemas: list[dict]) -> dict:
-    """The assistant message of a model turn (content, tool_calls), read by the tokenizer's response template."""
+    """The assistant message of a model turn (content, tool_calls), read by the tokenizer's response template.
+    A turn the template cannot read, or whose calls are malformed, is plain text without a call, as in TRL."""
     try:
-        return tokenizer.parse_response(ids, prefix=prefix, tools=schemas)
-    except Exception:  # noqa: BLE001 - text the template cannot read is a turn without a call
+        turn = tokenizer.parse_response(ids, prefix=prefix, tools=schemas)
+        if turn is None:  # a turn truncated before any field
+            raise ValueError("nothing parsed")
+        content = turn.get("content")
+        turn["content"] = content.removesuffix(tokenizer.eos_token) if isinstance(content, str) else (content or "")
+        if "tool_calls" in turn:
+            _check_calls(turn["tool_calls"])
+        return turn
+    except (ValueError, TypeError):
         return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
 
 
