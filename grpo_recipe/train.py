@@ -43,7 +43,8 @@ from grpo_recipe.dist.link import layout
 from grpo_recipe.generation import GenerationError, Generator, build_generator, generate_on_every_rank, rollout_seed
 from grpo_recipe.generation.remote import serve
 from grpo_recipe.generation.environments import Environments
-from grpo_recipe.generation.tools import ToolError, ToolRunner, check_template, load_tools, multi_turn, set_templates
+from grpo_recipe.generation.tools import (ToolError, ToolRunner, check_template, context_length, load_tools, multi_turn,
+                                          set_templates)
 from grpo_recipe.generation.vllm import VLLMUnavailable
 from grpo_recipe.model import engine as eng
 from grpo_recipe.model.load import load_model, load_tokenizer
@@ -188,7 +189,7 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
     evaluator = None
     if eval_prompts is not None and (cfg.eval_steps or cfg.eval_on_start):
         evaluator = Evaluator(cfg, PromptStream(eval_prompts, tokenizer, cfg, rank, world, tools and tools.schemas),
-                              generator, rewards, rank, world, tools, envs, max_model_len(cfg, engine))
+                              generator, rewards, rank, world, tools, envs, context_length(cfg, engine.module.config))
     run = Run(cfg, rank, world, tokenizer, stream, engine, ref, rewards, generator, checkpointer, evaluator, lock,
               tools, envs)
     return run, state
@@ -242,27 +243,20 @@ def summarize_rollout(sums: dict[str, float], names: list[str]) -> dict:
             **{f"reward/{k}_std": s for k, (_, s) in per_func.items()}}
 
 
-def max_model_len(cfg: Config, engine) -> int:
-    """The longest sequence generation may be asked to continue: vLLM's context, or the model's positions."""
-    if cfg.generation_backend == "vllm":
-        return cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.max_completion_length
-    return engine.module.config.max_position_embeddings
-
-
 def generate(run: Run, prompt_ids: list[list[int]], rollout: int, per_sample: list | None = None):
     """This rank's completions (a failure on any rank stops every rank); sampling from NaN probabilities means
     the last update broke the weights."""
     seed = rollout_seed(run.cfg.seed, rollout, run.rank, run.world)
     where = f"generation of rollout {rollout}"
     try:
-        if run.tools is None:
+        if run.tools is None or run.cfg.generation_ranks:  # generation ranks run the tool rounds themselves
             return generate_on_every_rank(run.generator, prompt_ids, where, seed=seed, rollout=rollout)
         # tool rounds sample afresh from prompts that now hold the results: a seed of their own each
         turn = lambda prompts, n, k: generate_on_every_rank(  # noqa: E731
             run.generator, prompts, f"{where}, tool round {k}" if k else where, n=n, rollout=rollout,
             seed=(seed + 7_919 * k) % 2**31)
-        return multi_turn(turn, run.tokenizer, run.cfg, prompt_ids, run.tools, max_model_len(run.cfg, run.engine),
-                          per_sample)
+        return multi_turn(turn, run.tokenizer, run.cfg, prompt_ids, run.tools,
+                          context_length(run.cfg, run.engine.module.config), per_sample)
     except GenerationError as e:
         if re.search(r"\b(nan|inf)\b", str(e), re.IGNORECASE):
             raise NonFiniteError(f"{e}: the policy is no longer finite after the last update; resume from an "

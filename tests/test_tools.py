@@ -70,8 +70,9 @@ def test_tools_are_refused_where_the_loop_cannot_run():
         validate(Config(tools=["m:f"], chat_template=False))
     with pytest.raises(ConfigError, match="max_tool_calling_iterations"):
         validate(Config(tools=["m:f"], max_tool_calling_iterations=0))
-    with pytest.raises(ConfigError, match="generation_ranks"):
-        validate(Config(tools=["m:f"], generation_ranks=1), world_size=2)
+    with pytest.raises(ConfigError, match="environment_factory: environments live where the trainers score"):
+        validate(Config(environment_factory="m:C", generation_ranks=1), world_size=2)
+    validate(Config(tools=["m:f"], generation_ranks=1), world_size=2)  # tools run on the generation rank
 
 
 def call(name, **arguments):
@@ -223,3 +224,24 @@ def test_the_calculator_example_computes_and_refuses_anything_but_arithmetic():
             calculator(bad)
     turns = [[{"role": "assistant", "content": "Answer: 1536"}], [{"role": "tool", "content": "1536"}], "1536"]
     assert correct_final_answer(None, turns, ["1536"] * 3) == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_generation_rank_runs_the_tool_rounds_as_the_trainers_would(tmp_path):
+    """2 trainers + 1 generation rank: the first rollout (sampled from the same weights, with the same seeds per
+    round) is the colocated run's, tool calls, tool tokens and rewards alike; later ones sample from the sent
+    weights."""
+    from conftest import torchrun
+
+    from grpo_recipe.run.metrics import read_jsonl
+
+    run = ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart_tools.yaml", "--disable_tqdm", "true",
+           "--max_steps", "2", "--log_completions_steps", "1"]
+    torchrun(2, [*run, "--output_dir", str(tmp_path / "colocated")])
+    torchrun(3, [*run, "--output_dir", str(tmp_path / "apart"), "--generation_ranks", "1"])
+    keys = ("reward_mean", "tool_calls_per_completion", "tool_tokens_per_completion", "completion_length_mean")
+    first = [read_jsonl(tmp_path / side / "metrics.jsonl")[0] for side in ("colocated", "apart")]
+    assert [first[0][k] for k in keys] == [first[1][k] for k in keys] and first[0]["tool_calls_per_completion"] > 0
+    turns = [[s["turns"] for s in read_jsonl(tmp_path / side / "completions.jsonl") if s["generation"] == 0]
+             for side in ("colocated", "apart")]
+    assert turns[0] == turns[1]

@@ -439,8 +439,9 @@ def validate_tools(cfg: Config) -> None:
         return
     need(str(cfg.chat_template).lower() != "false", "tools: need the chat template (it writes the tools into the "
          "prompt and the results into the completion); chat_template is false")
-    need(cfg.generation_ranks == 0, "tools: multi-turn rollouts run where the trainers generate; generation_ranks "
-         f"is {cfg.generation_ranks} (set it to 0)")
+    need(cfg.environment_factory is None or cfg.generation_ranks == 0, "environment_factory: environments live "
+         f"where the trainers score their rewards; generation_ranks is {cfg.generation_ranks} (set it to 0, or "
+         "give the model plain tools)")
 
 
 def validate_generation_ranks(cfg: Config, world_size: int) -> None:

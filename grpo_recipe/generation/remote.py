@@ -29,6 +29,7 @@ import torch
 from grpo_recipe.dist import liveness, link
 from grpo_recipe.generation.base import Completions, rollout_seed
 from grpo_recipe.generation.hf import HFGenerator
+from grpo_recipe.generation.tools import ToolRunner, context_length, load_tools, multi_turn, set_templates
 from grpo_recipe.generation.vllm_lora import gathered_weights, needs_untied
 
 BUCKET_NUMEL = 1 << 26  # parameters gathered (and broadcast) at once during a sync (256 MiB in fp32)
@@ -143,8 +144,9 @@ def completions(got: dict, tokenizer) -> Completions:
     mask = torch.zeros(len(ids), width)
     for i, x in enumerate(ids):
         mask[i, :len(x)] = 1.0
+    tool_mask = None if got.get("tool_mask") is None else torch.tensor(got["tool_mask"])[:, :width]
     return Completions(ids, mask, torch.tensor(got["truncated"], dtype=torch.bool), got["texts"],
-                       got["logps"][:, :width])
+                       got["logps"][:, :width], tool_mask, got.get("turns"), got.get("tool_counts"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -165,9 +167,13 @@ def serve(cfg, data: tuple | None = None) -> int:
     liveness.set_phase("start-up: loading the model")
     path = model_path(cfg)
     tok = load_tokenizer(path)
+    runner = None
+    if cfg.tools:  # the tool rounds run here, where the generation runs
+        set_templates(tok, cfg)
+        runner = ToolRunner(load_tools(cfg.tools), cfg.tool_timeout_s)
     train_prompts, _ = load_datasets(cfg, *(data or ()))
     served = lay.served_by(lay.rank)
-    streams = {t: PromptStream(train_prompts, tok, cfg, t, lay.trainers) for t in served}
+    streams = {t: PromptStream(train_prompts, tok, cfg, t, lay.trainers, runner and runner.schemas) for t in served}
     model = gen = None
     if cfg.generation_backend == "hf":
         # the whole policy, plain: the trainers send merged weights (LoRA included) under the model's own names
@@ -215,8 +221,14 @@ def serve(cfg, data: tuple | None = None) -> int:
         for t in served:  # all of them, then the sends: the trainers go on together anyway
             liveness.set_phase(f"rollout {rollout}: generation for training rank {t}")
             batch = streams[t].batch(rollout)
+            seed = rollout_seed(cfg.seed, rollout, t, lay.trainers)
             try:
-                done[t] = batch, gen.generate(batch.prompt_ids, seed=rollout_seed(cfg.seed, rollout, t, lay.trainers))
+                if runner is None:
+                    done[t] = batch, gen.generate(batch.prompt_ids, seed=seed)
+                else:  # the trainers' seeds for each round (train.generate)
+                    turn = lambda p, n, k: gen.generate(p, seed=(seed + 7_919 * k) % 2**31, n=n)  # noqa: E731
+                    done[t] = batch, multi_turn(turn, tok, cfg, batch.prompt_ids, runner,
+                                                context_length(cfg, model and model.config), synced=False)
             except Exception as e:  # noqa: BLE001 -- the trainer it serves says it, naming this rank
                 done[t] = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
         busy = time.perf_counter() - start
@@ -225,9 +237,11 @@ def serve(cfg, data: tuple | None = None) -> int:
                 lk.send(t, {"error": got}, [torch.zeros(0)])
                 continue
             batch, comp = got
+            turns = {} if comp.tool_mask is None else {"tool_mask": comp.tool_mask.tolist(), "turns": comp.turns,
+                                                        "tool_counts": comp.tool_counts}
             lk.send(t, {"rollout": rollout, "prompt_ids": batch.prompt_ids, "ids": comp.ids, "texts": comp.texts,
                         "truncated": comp.truncated.tolist(), "weights_step": weights_step, "busy_s": busy,
-                        "waited_s": waited}, [comp.logps])
+                        "waited_s": waited, **turns}, [comp.logps])
         waited, waited_since = 0.0, time.perf_counter()
     lk.flush()
     if gen is not None:

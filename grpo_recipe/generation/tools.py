@@ -128,6 +128,13 @@ class ToolRunner:
             return name, str({"error": str(e)}), True
 
 
+def context_length(cfg: Config, model_config) -> int:
+    """The longest sequence generation may be asked to continue: vLLM's context, or the model's positions."""
+    if cfg.generation_backend == "vllm":
+        return cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.max_completion_length
+    return model_config.max_position_embeddings
+
+
 def tool_suffix(tokenizer, tool_messages: list[dict], template_kwargs: dict) -> list[int]:
     """The tokens the chat template writes after an assistant turn that called tools: the results and the next
     assistant header (the difference between two renderings of a short conversation, as TRL takes it)."""
@@ -174,12 +181,13 @@ def parse(tokenizer, ids: list[int], prefix: list[int], schemas: list[dict]) -> 
 
 def multi_turn(generate: Callable[[list[list[int]], int | None, int], Completions], tokenizer, cfg: Config,
                prompt_ids: list[list[int]], runner: ToolRunner, max_model_len: int,
-               per_sample: list[tuple[dict, list[dict]]] | None = None) -> Completions:
+               per_sample: list[tuple[dict, list[dict]]] | None = None, synced: bool = True) -> Completions:
     """Sample G completions per prompt with `generate(prompts, n, round)`, then run the tool rounds.
 
     `per_sample` (environments): `prompt_ids` are already one per completion, each with its own (tools, schemas).
-    Every rank calls `generate` the same number of times (hf generation under ZeRO-3 gathers the weights on every
-    rank): a rank with no call left generates one throw-away sample while another still has calls.
+    `synced`: every rank calls `generate` the same number of times (hf generation under ZeRO-3 gathers the weights
+    on every rank): a rank with no call left generates one throw-away sample while another still has calls. A
+    generation rank generates alone (synced False).
     """
     first = generate(prompt_ids, 1 if per_sample else None, 0)
     n = len(first.ids) // len(prompt_ids)
@@ -194,7 +202,7 @@ def multi_turn(generate: Callable[[list[list[int]], int | None, int], Completion
     calls = failures = rounds = 0
     pending = [i for i, t in enumerate(turns) if t[-1].get("tool_calls") and not truncated[i]]
     limit = cfg.max_tool_calling_iterations or float("inf")
-    while rounds < limit and any_rank(bool(pending)):
+    while rounds < limit and (any_rank(bool(pending)) if synced else bool(pending)):
         rounds += 1
         cont, keep = [], []
         for i in pending:
