@@ -60,19 +60,20 @@ def question(rng: random.Random) -> tuple[str, str]:
 
 
 def demos(rng: random.Random, n: int) -> list[dict]:
-    """Conversations that call the calculator and answer with its result (the warm-up's data)."""
+    """The warm-up's data: half the conversations call the calculator and answer with its result, half answer
+    at once (rightly: a demonstration is right, but the model cannot do it in its head). The warm-up teaches the
+    format; when to call is what GRPO learns."""
     from transformers.utils import get_json_schema
 
     schema = get_json_schema(calculator)
     rows = []
-    for _ in range(n):
+    for i in range(n):
         expression, value = question(rng)
-        rows.append({"tools": [schema], "messages": [
-            {"role": "user", "content": f"Calculate {expression}."},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}]},
-            {"role": "tool", "name": "calculator", "content": value},
-            {"role": "assistant", "content": f"Answer: {value}"}]})
+        call = [{"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}]},
+                {"role": "tool", "name": "calculator", "content": value}] if i % 2 == 0 else []
+        rows.append({"tools": [schema], "messages": [{"role": "user", "content": f"Calculate {expression}."}, *call,
+                                                     {"role": "assistant", "content": f"Answer: {value}"}]})
     return rows
 
 
