@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import needs_vllm
+
 from grpo_recipe.config.schema import Config, ConfigError, validate
 from grpo_recipe.generation.base import finish
 from grpo_recipe.generation.tools import (ToolError, ToolRunner, check_template, load_tools, multi_turn, parse,
@@ -245,3 +247,20 @@ def test_a_generation_rank_runs_the_tool_rounds_as_the_trainers_would(tmp_path):
     turns = [[s["turns"] for s in read_jsonl(tmp_path / side / "completions.jsonl") if s["generation"] == 0]
              for side in ("colocated", "apart")]
     assert turns[0] == turns[1]
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_runs_the_tool_rounds_with_the_models_tokens_scored_apart(tmp_path):
+    """Colocated vLLM: the rounds stay within its context, tool results are counted apart from the model's
+    tokens, and the drift correction sees only the model's tokens (tool results carry no sampler log-prob)."""
+    from conftest import torchrun
+
+    from grpo_recipe.run.metrics import read_jsonl
+
+    out = tmp_path / "out"
+    torchrun(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart_tools.yaml", "--disable_tqdm",
+                 "true", "--generation_backend", "vllm", "--max_steps", "4", "--output_dir", str(out)])
+    records = read_jsonl(out / "metrics.jsonl")
+    assert all(r["tool_calls_per_completion"] > 0 and 0 < r["tool_tokens_per_completion"] for r in records)
+    assert all(r["is_zeroed_fraction"] < 0.5 for r in records if "is_zeroed_fraction" in r)
