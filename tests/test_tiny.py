@@ -1,4 +1,4 @@
-"""The built-in tiny models: built offline, cached atomically, one tokenizer for all of them."""
+"""The built-in tiny models: built offline, cached atomically, one tokenizer for the plain ones."""
 import json
 
 import pytest
@@ -21,8 +21,13 @@ def test_each_builtin_has_its_shape_and_vllm_compatible_heads(cache):
                 cfg["num_key_value_heads"]) == (hidden, intermediate, heads, kv_heads)
         assert hidden // heads == 32  # vLLM's CPU attention needs a supported head size
         assert folder.parent == cache
-    toks = {(f / "tokenizer.json").read_text() for f in folders.values()}
-    assert len(toks) == 1  # same tokenizer: runs on either model see the same token ids
+    plain = {(f / "tokenizer.json").read_text() for n, f in folders.items() if n != "builtin:tiny-qwen2-tools"}
+    assert len(plain) == 1  # same tokenizer: runs on either plain model see the same token ids
+    # the tools model's: ChatML's markers and tool-call tags as special tokens, <|im_end|> ending a turn
+    tools = json.loads((folders["builtin:tiny-qwen2-tools"] / "tokenizer.json").read_text())
+    assert [t["content"] for t in tools["added_tokens"]] == [tiny.EOS, *tiny.CHATML]
+    tools_cfg = json.loads((folders["builtin:tiny-qwen2-tools"] / "tokenizer_config.json").read_text())
+    assert tools_cfg["eos_token"] == "<|im_end|>"
     before = {f: (f / "model.safetensors").stat().st_mtime_ns for f in folders.values()}
     assert {tiny.ensure_builtin(n) for n in tiny.BUILTIN_MODELS} == set(before)  # cached, not rebuilt
     assert all((f / "model.safetensors").stat().st_mtime_ns == t for f, t in before.items())

@@ -13,7 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# name -> (hidden size, MLP size, attention heads, key/value heads); same tokenizer for all
+# name -> (hidden size, MLP size, attention heads, key/value heads); one tokenizer for the plain ones, the tools
+# model's adds ChatML's special tokens
 BUILTIN_MODELS = {"builtin:tiny-qwen2": (128, 256, 4, 2), "builtin:tiny-qwen2-h64": (64, 128, 2, 1),
                   "builtin:tiny-qwen2-tools": (128, 256, 4, 2)}
 ASSETS = Path(__file__).parents[1] / "assets"
