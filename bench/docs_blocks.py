@@ -157,8 +157,10 @@ def smollm2_tools(results: Path) -> str:
                              r["grpo"])
     return (f"on {plain['n']} held-out three-term questions, untrained: {plain['accuracy']:.3f} without a tool and "
             f"{probe['calls']} calls of the calculator when the template shows it; after a {warm['steps']}-step "
-            f"warm-up, {g['eval_accuracy_before']:.3f} with the tool; after {g['steps']} GRPO steps, "
-            f"{g['eval_accuracy_after']:.3f}")
+            f"warm-up ({warm['tool_calls_after']['calls']} greedy calls), {g['eval_accuracy_before']:.3f} with the "
+            f"tool; after {g['steps']} GRPO steps, {g['eval_accuracy_after']:.3f} (tool calls per sampled completion "
+            f"{g['tool_calls_per_completion_first_quarter']:.2f} in the first quarter of the steps, "
+            f"{g['tool_calls_per_completion_last_quarter']:.2f} in the last)")
 
 
 def whole_run_memory(results: Path) -> str:
