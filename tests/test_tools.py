@@ -2,6 +2,7 @@
 equal TRL 1.16's own `_tool_call_loop` on the same model turns."""
 import copy
 import json
+import math
 import os
 import time
 from types import SimpleNamespace
@@ -247,6 +248,29 @@ def test_a_generation_rank_runs_the_tool_rounds_as_the_trainers_would(tmp_path):
     turns = [[s["turns"] for s in read_jsonl(tmp_path / side / "completions.jsonl") if s["generation"] == 0]
              for side in ("colocated", "apart")]
     assert turns[0] == turns[1]
+
+
+@pytest.mark.slow
+def test_lora_trains_only_the_adapter_on_multi_turn_rollouts_with_a_kl_to_the_base(tmp_path):
+    """LoRA with tools, mu = 2 and beta > 0 (the reference is the base under the disabled adapter, scored on the
+    same multi-turn tokens): the rounds run under the adapter, tool calls are counted, the KL is finite and moves
+    off zero once the adapter has trained, and only the adapter is saved, trained away from its zero init."""
+    from conftest import torchrun
+    from safetensors.torch import load_file
+
+    from grpo_recipe.run.metrics import read_jsonl
+
+    out = tmp_path / "out"
+    torchrun(2, ["-m", "grpo_recipe.train", "--config", "grpo_recipe/configs/quickstart_tools.yaml", "--disable_tqdm",
+                 "true", "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--beta", "0.04",
+                 "--max_steps", "4", "--output_dir", str(out)])
+    records = read_jsonl(out / "metrics.jsonl")
+    assert len(records) == 4 and all(r["tool_calls_per_completion"] > 0 for r in records)
+    kls = [r["kl"] for r in records]
+    assert all(math.isfinite(k) for k in kls) and kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 0, kls
+    adapter = load_file(out / "final" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # lora_B starts at zero
 
 
 @pytest.mark.slow
