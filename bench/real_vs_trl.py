@@ -438,27 +438,28 @@ def render(r: dict | None, figure: str | None = None, short: bool = False) -> st
                      f"{'passes' if p['passes'] else 'fails'} |")
     if not sel["pilots"] and not short:
         lines.append("| (no pilot has finished yet) | | | | | | | |")
-    lines.append("")
-    if sel["pilot_gate_met"]:
-        lines.append(f"Setting {sel['chosen_setting']} passed the gate and is frozen for the comparison.")
+    gate_line = (f"Setting {sel['chosen_setting']} passed the gate and is frozen for the comparison."
+                 if sel["pilot_gate_met"] else "No setting has passed the gate yet: the comparison waits for one.")
+    if short:  # the pilots' paragraph goes on: the README stays short
+        lines[-1] += " " + gate_line
     else:
-        lines.append("No setting has passed the gate yet: the comparison waits for one.")
+        lines += ["", gate_line]
     if v:
-        counts = ", ".join(f"{k}: {len(x['seeds'])} seeds" for k, x in r["variants"].items())
-        lines += ["", f"Verdicts ({counts}):", ""]
+        counts = ", ".join(f"{k}: {len(x['seeds'])} seed{'s' * (len(x['seeds']) != 1)}" for k, x in r["variants"].items())
+        lines += ["", f"Verdicts ({counts}{'' if r['complete'] else '; interim until every run has finished'}):", ""]
         first_verdict = len(lines)
         par = v.get("parity")
         if par:
             lines.append(f"- Parity: ours_mu1 - trl_mu1 mean held-out accuracy {f(par['mean_accuracy_difference'], '+.3f')}"
                          f" (2 s.e. {f(par['interval_2se'])}; spread between trl_mu1's seeds {f(par['seed_spread_trl_mu1'])}):"
-                         f" **{'holds' if v['parity_holds'] else 'not shown'}**.")
+                         f" **{'holds' if v['parity_holds'] else 'not shown' + ('' if r['complete'] else ' yet')}**.")
         if v.get("target_defined"):
             lines.append(f"- Reuse: target {f(v['target_accuracy'])}; rollouts to it over ours_mu1's (median over "
                          f"seeds): " + ", ".join(f"{k} {f(x, '.2f')}" for k, x in v["rollouts_ratio_vs_ours_mu1"].items())
                          + "; sooner than ours_mu1 on the projected clock at g = 0.8 (a model): "
                          + ", ".join(f"{k} {f(x, '.2f')}x" for k, x in v["projected_speedup_vs_ours_mu1"].get("0.8", {}).items())
                          + f"; measured here: " + ", ".join(f"{k} {f(x, '.2f')}x" for k, x in v["speedup_vs_ours_mu1"].items())
-                         + f". Goal met: **{'yes' if v['reuse_goal_met'] else 'no'}**.")
+                         + f". Goal met: **{'yes' if v['reuse_goal_met'] else 'no' if r['complete'] else 'not yet'}**.")
         else:
             lines.append("- Reuse: ours_mu1 gained nothing at its median, so no target can be set.")
     if v and short:  # one paragraph: the README stays short
