@@ -46,7 +46,8 @@ COMMANDS = {
     "warm_up": [sys.executable, "-m", "grpo_recipe.tools.sft", "--model", MODEL, "--data", f"{DATA}/demos.jsonl",
                 "--out", WARM, "--steps", str(WARM_STEPS), "--batch-size", "4", "--learning-rate", "1e-4", *TEMPLATES],
     "warm_tool_calls": [sys.executable, "bench/smollm2_tools.py", "--probe-calls", WARM, f"{LOGS}/warm_tool_calls.json"],
-    "train": ["bash", "launch/local.sh", "--config", CONFIG, "--disable_tqdm", "true"],
+    # not done until its final model exists: an interrupted run starts over
+    "train": ["bash", "launch/local.sh", "--config", CONFIG, "--disable_tqdm", "true", "--overwrite_output_dir", "true"],
 }
 DONE = {"prepare_model": f"{MODEL}/config.json", "prepare_data": f"{DATA}/demos.jsonl",
         "untrained_no_tools": f"{LOGS}/untrained_no_tools.json",

@@ -38,11 +38,15 @@ def test_the_warm_up_learns_the_assistants_turns():
     assert losses[-1] < 0.2 * losses[0], losses
 
 
-@pytest.mark.parametrize("content, says", [("not json\n", "cannot read"), ('{"text": "hi"}\n', "messages")])
-def test_bad_warm_up_data_is_one_line_before_any_model_loads(tmp_path, content, says):
+@pytest.mark.parametrize("content, extra, says", [
+    ("not json\n", [], "cannot read"), ('{"text": "hi"}\n', [], "messages"),
+    ('{"messages": []}\n', ["--chat-template", "no/such.jinja"], "chat_template_path: file not found"),
+    ('{"messages": []}\n', ["--model", "no/such/model"], "no/such/model"),
+])
+def test_bad_warm_up_input_is_one_line_before_any_model_loads(tmp_path, content, extra, says):
     data = tmp_path / "d.jsonl"
     data.write_text(content)
     proc = subprocess.run([sys.executable, "-m", "grpo_recipe.tools.sft", "--model", "builtin:tiny-qwen2", "--data",
-                           str(data), "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True)
+                           str(data), "--out", str(tmp_path / "o"), *extra], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "o").exists()

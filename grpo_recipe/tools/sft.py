@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_recipe.config.schema import Config
+from grpo_recipe.config.schema import Config, ConfigError
 from grpo_recipe.generation.tools import set_templates
 from grpo_recipe.model.load import load_tokenizer
 from grpo_recipe.model.sft import warm_up
@@ -39,9 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
-    path = model_path(Config(model_name_or_path=args.model))
-    tok = load_tokenizer(path)
-    set_templates(tok, Config(chat_template_path=args.chat_template, response_template_path=args.response_template))
+    try:  # a missing model or template: one line, before any work
+        path = model_path(Config(model_name_or_path=args.model))
+        tok = load_tokenizer(path)
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"error: --model: cannot load {args.model}: {' '.join(str(e).split())[:300]}", file=sys.stderr)
+        return 2
+    try:
+        set_templates(tok, Config(chat_template_path=args.chat_template, response_template_path=args.response_template))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as e:
