@@ -398,6 +398,9 @@ def plot(runs: list[dict], result: dict, path: Path) -> None:
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    from PIL import Image  # a 256-colour palette: the figure stays small in the repository as runs are added
+
+    Image.open(path).convert("RGB").quantize(256).save(path, optimize=True)
     plt.close(fig)
 
 
