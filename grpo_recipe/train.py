@@ -44,7 +44,7 @@ from grpo_recipe.generation import GenerationError, Generator, build_generator, 
 from grpo_recipe.generation.remote import serve
 from grpo_recipe.generation.environments import Environments
 from grpo_recipe.generation.tools import (ToolError, ToolRunner, check_template, context_length, load_tools, multi_turn,
-                                          set_templates)
+                                          round_seed, set_templates)
 from grpo_recipe.generation.vllm import VLLMUnavailable
 from grpo_recipe.model import engine as eng
 from grpo_recipe.model.load import load_model, load_tokenizer
@@ -254,7 +254,7 @@ def generate(run: Run, prompt_ids: list[list[int]], rollout: int, per_sample: li
         # tool rounds sample afresh from prompts that now hold the results: a seed of their own each
         turn = lambda prompts, n, k: generate_on_every_rank(  # noqa: E731
             run.generator, prompts, f"{where}, tool round {k}" if k else where, n=n, rollout=rollout,
-            seed=(seed + 7_919 * k) % 2**31)
+            seed=round_seed(seed, k))
         return multi_turn(turn, run.tokenizer, run.cfg, prompt_ids, run.tools,
                           context_length(run.cfg, run.engine.module.config), per_sample)
     except GenerationError as e:

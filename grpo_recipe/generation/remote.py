@@ -29,7 +29,8 @@ import torch
 from grpo_recipe.dist import liveness, link
 from grpo_recipe.generation.base import Completions, rollout_seed
 from grpo_recipe.generation.hf import HFGenerator
-from grpo_recipe.generation.tools import ToolRunner, context_length, load_tools, multi_turn, set_templates
+from grpo_recipe.generation.tools import (ToolRunner, context_length, load_tools, multi_turn, round_seed,
+                                          set_templates)
 from grpo_recipe.generation.vllm_lora import gathered_weights, needs_untied
 
 BUCKET_NUMEL = 1 << 26  # parameters gathered (and broadcast) at once during a sync (256 MiB in fp32)
@@ -226,7 +227,7 @@ def serve(cfg, data: tuple | None = None) -> int:
                 if runner is None:
                     done[t] = batch, gen.generate(batch.prompt_ids, seed=seed)
                 else:  # the trainers' seeds for each round (train.generate)
-                    turn = lambda p, n, k: gen.generate(p, seed=(seed + 7_919 * k) % 2**31, n=n)  # noqa: E731
+                    turn = lambda p, n, k: gen.generate(p, seed=round_seed(seed, k), n=n)  # noqa: E731
                     done[t] = batch, multi_turn(turn, tok, cfg, batch.prompt_ids, runner,
                                                 context_length(cfg, model and model.config), synced=False)
             except Exception as e:  # noqa: BLE001 -- the trainer it serves says it, naming this rank

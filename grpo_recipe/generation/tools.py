@@ -33,6 +33,12 @@ class ToolError(ConfigError):
     """A tool or a template that cannot serve multi-turn rollouts; the message names it."""
 
 
+def round_seed(seed: int, k: int) -> int:
+    """The sampling seed of tool round `k` of a rollout seeded `seed`: a round samples afresh from prompts that now
+    hold the results, so each has its own (the same wherever the rounds run: trainers, generation ranks, eval)."""
+    return (seed + 7_919 * k) % 2**31
+
+
 def set_templates(tokenizer, cfg: Config) -> None:
     """`chat_template_path` and `response_template_path` replace the tokenizer's own (one-line errors)."""
     if cfg.chat_template_path:

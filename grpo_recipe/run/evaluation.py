@@ -17,7 +17,7 @@ import torch
 from grpo_recipe.dist import signals
 from grpo_recipe.dist.collectives import all_reduce_named, device
 from grpo_recipe.generation import generate_on_every_rank
-from grpo_recipe.generation.tools import multi_turn
+from grpo_recipe.generation.tools import multi_turn, round_seed
 from grpo_recipe.rewards.funcs import RewardError, RewardStopped, score
 from grpo_recipe.run.checkpoint import rng_state, set_rng_state
 
@@ -67,7 +67,7 @@ class Evaluator:
             rows, per_sample = self.envs.prepare(self.stream, rows, seed)
             prompt_ids = rows.prompt_ids
         turn = lambda prompts, k_n, k: generate_on_every_rank(  # noqa: E731
-            self.generator, prompts, f"{where}, tool round {k}" if k else where, seed=(seed + 7_919 * k) % 2**31,
+            self.generator, prompts, f"{where}, tool round {k}" if k else where, seed=round_seed(seed, k),
             n=k_n or n, greedy=greedy)
         return multi_turn(turn, self.stream.tok, self.cfg, prompt_ids, self.tools, self.max_model_len, per_sample), rows
 
