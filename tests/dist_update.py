@@ -72,6 +72,16 @@ def local_buffer(cfg: Config, rank: int, world: int, pad_id: int = 0, zero_std_g
                                tool_mask=tool_mask)
 
 
+def rollout_buffer(path: str, rank: int, pad_id: int = 0) -> RolloutBuffer:
+    """This rank's rollout as TRL's trainer generated and scored it (tests/dist_trl_step.py): prompts without their
+    left padding, completions up to the end of their mask, TRL's own advantages."""
+    batch = torch.load(f"{path}/rollout-rank{rank}.pt", weights_only=True)[0]
+    prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    mask = batch["completion_mask"].float()
+    comps = [row[:int(m.sum())].tolist() for row, m in zip(batch["completion_ids"], mask)]
+    return RolloutBuffer.build(prompts, comps, batch["advantages"].float(), mask, pad_id, order_seed=1000 + rank)
+
+
 def fixed_rewards(n: int) -> torch.Tensor:
     """Rewards of a global rollout whose groups differ in level and spread, so that a rank's own std is far
     from the whole batch's."""
@@ -101,15 +111,17 @@ def fixed_sampling_logps(buf: RolloutBuffer, rank: int, world: int) -> torch.Ten
 
 
 def run_case(cfg: Config, rank: int, world: int, from_rewards: bool = False, zero_std_groups=(),
-             sampling_logps: bool = False, tool_tokens: bool = False):
+             sampling_logps: bool = False, tool_tokens: bool = False, rollout: str | None = None):
     """Fresh engine, this rank's shard of the fixed rollout, `train_on_rollout` over it. Returns the engine,
     the reference, the buffer, the old-log-prob forwards, store counts and each step's statistics.
-    `from_rewards`: advantages from fixed rewards as train.py computes them."""
+    `from_rewards`: advantages from fixed rewards as train.py computes them; `rollout`: TRL's rollout in this folder
+    instead of the fixed one."""
     path = model_path(cfg)
     torch.manual_seed(0)
     engine = eng.init_engine(load_model(path, cfg, world), cfg, world)
     ref = eng.init_reference(path, cfg, world, engine) if cfg.beta > 0 else None
-    buf = local_buffer(cfg, rank, world, zero_std_groups=zero_std_groups, tool_tokens=tool_tokens)
+    buf = (rollout_buffer(rollout, rank) if rollout else
+           local_buffer(cfg, rank, world, zero_std_groups=zero_std_groups, tool_tokens=tool_tokens))
     if from_rewards:
         buf.advantages = advantages_from_rewards(cfg, buf, rank, world).float()
     if sampling_logps:
@@ -137,8 +149,9 @@ def main():
         name, from_rewards = case.pop("name"), case.pop("from_rewards", False)
         zero_std_groups = case.pop("zero_std_groups", ())
         sampling, tools = case.pop("sampling_logps", False), case.pop("tool_tokens", False)
+        rollout = case.pop("rollout", None)
         engine, _, buf, forwards, stores, outs = run_case(Config(**{**BASE, **case}), rank, world, from_rewards,
-                                                          zero_std_groups, sampling, tools)
+                                                          zero_std_groups, sampling, tools, rollout)
         state = engine._zero3_consolidated_16bit_state_dict() if eng.is_zero3(engine) else engine.module.state_dict()
         all_stores = [torch.zeros_like(stores) for _ in range(world)]
         torch.distributed.all_gather(all_stores, stores)
