@@ -2,6 +2,7 @@
 
     python bench/vs_trl_real.py                       # both shapes, mu 1 and 4, 2 repetitions -> vs_trl_real.{json,png}
     python bench/vs_trl_real.py --shapes smollm2      # one shape (the other keeps its figures in the file)
+    # finished runs are kept in the results file: a later invocation continues where one stopped (--fresh: anew)
     python bench/vs_trl_real.py --smoke --out DIR     # CI: every side and the summary in minutes, no claim
 
 The design, declared before the runs:
@@ -60,7 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one short run per side (CI)")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
-    p.add_argument("--workdir", default=None, help="keep run folders here (default: a temp folder, removed)")
+    p.add_argument("--workdir", default=None, help="run folders (default output/vs_trl_real, or _smoke)")
+    p.add_argument("--fresh", action="store_true", help="measure the shapes asked again instead of keeping their "
+                                                        "finished runs from the results file")
     p.add_argument("--timeout", type=float, default=7200, help="seconds before one run is killed")
     return p.parse_args(argv)
 
@@ -173,13 +176,16 @@ def read_side(side: str, run_dir: Path, spr: int, completions_per_step: int) -> 
             "optimizer_steps": parsed["optimizer_steps"]}
 
 
-def summarize(runs: list[dict], shape: str, mus: list[int]) -> dict:
-    """Per mu: each side's median seconds per step and phases, the paired ratios (same repetition), memory."""
+def summarize(runs: list[dict], shape: str) -> dict | None:
+    """Per mu: each side's median seconds per step and phases, the paired ratios (same repetition), memory.
+    Only repetitions that every side has finished count; None while no mu has one."""
     out = {"by_mu": {}, "step_time_ratio": {}, "floor_ratio": {}}
-    for mu in mus:
-        mine = [r for r in runs if r["shape"] == shape and r["mu"] == mu]
-        reps = sorted({r["rep"] for r in mine})
-        by = {(r["side"], r["rep"]): r for r in mine}
+    mine = [r for r in runs if r["shape"] == shape]
+    for mu in sorted({r["mu"] for r in mine}):
+        by = {(r["side"], r["rep"]): r for r in mine if r["mu"] == mu}
+        reps = sorted(i for i in {r for _, r in by} if all((side, i) in by for side in SIDES))
+        if not reps:
+            continue
         entry = {side: {"sec_per_step": statistics.median(by[side, i]["sec_per_step"] for i in reps),
                         "tokens_per_s": statistics.median(by[side, i]["tokens_per_s"] or 0.0 for i in reps),
                         "phases_s_per_step": {k: statistics.median(by[side, i]["phases_s_per_step"][k] for i in reps)
@@ -187,14 +193,31 @@ def summarize(runs: list[dict], shape: str, mus: list[int]) -> dict:
                         "peak_rss_bytes": max(max(by[side, i]["peak_bytes"]) for i in reps)} for side in SIDES}
         pair = lambda a, b: statistics.median(by[a, i]["sec_per_step"] / by[b, i]["sec_per_step"] for i in reps)  # noqa: E731
         entry["ours_over_trl"], entry["ours_over_floor"] = pair("ours", "trl"), pair("ours", "floor")
+        entry["reps"] = reps
         out["by_mu"][str(mu)] = entry
         out["step_time_ratio"][f"mu{mu}"] = entry["ours_over_trl"]
         out["floor_ratio"][f"mu{mu}"] = entry["ours_over_floor"]
-    peaks = {side: max(max(r["peak_bytes"]) for r in runs if r["shape"] == shape and r["side"] == side)
-             for side in SIDES}
+    if not out["by_mu"]:
+        return None
+    peaks = {side: max(max(r["peak_bytes"]) for r in mine if r["side"] == side) for side in SIDES}
     out["peak_rss_ratio"] = peaks["ours"] / peaks["trl"]
     out["peak_rss_bytes"] = peaks
+    out["model"] = mine[0]["model"]
     return out
+
+
+def save(result: dict, out: Path, planned: list[tuple]) -> None:
+    """The results file as it stands, after every run: a later invocation continues from it."""
+    from common import save_json
+
+    done = {(r["shape"], r["side"], r["mu"], r["rep"]) for r in result["runs"]}
+    result["shapes"] = {shape: s for shape in dict.fromkeys(r["shape"] for r in result["runs"])
+                        if (s := summarize(result["runs"], shape)) is not None}
+    result["complete"] = all(k in done for k in planned)
+    result["runs_to_go"] = [list(k) for k in planned if k not in done]
+    save_json("vs_trl_real.json", result, out)
+    if result["shapes"]:
+        plot(result, out / "vs_trl_real.png")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -233,7 +256,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out = str(Path(args.out).resolve())
     os.chdir(REPO)
-    from common import machine, save_json
+    from common import CODE_AT_START, machine
     from measure import whole_run_peaks
     from transformers import AutoConfig
     from vs_trl import FAIRNESS, run_env, steps_for, trl_ds_config, trl_version, versions
@@ -246,19 +269,23 @@ def main(argv=None) -> int:
     shapes, mus, reps = (SMOKE["shapes"], SMOKE["mus"], SMOKE["reps"]) if args.smoke else (args.shapes, args.mus,
                                                                                              args.reps)
     timed = SMOKE["steps"] if args.smoke else TIMED_STEPS
-    work = Path(args.workdir or (Path(args.out) / ".vs_trl_real-work"))
+    work = Path(args.workdir or REPO / "output" / ("vs_trl_real_smoke" if args.smoke else "vs_trl_real"))
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
-    name = "vs_trl_real.json"
-    previous = json.loads((out / name).read_text()) if (out / name).is_file() and not args.smoke else {}
+    previous = json.loads((out / "vs_trl_real.json").read_text()) if (out / "vs_trl_real.json").is_file() else {}
+    # finished runs are kept while the design is the same: the study spans sessions (hours per shape on 2 cores)
+    same = (previous.get("run"), previous.get("timed_steps"), previous.get("smoke")) == (run, timed, args.smoke)
+    kept = [r for r in previous.get("runs", []) if same and not (args.fresh and r["shape"] in shapes)]
+    planned = [(shape, side, mu, rep) for shape in (shapes if args.smoke else SHAPES) for rep in range(reps)
+               for mu in mus for side in SIDES]
     result = {"benchmark": "vs_trl_real", "goals": GOALS, "design": __doc__.split("The design, declared before the "
                                                                                "runs:")[1].strip(),
               "fairness": FAIRNESS, "trl_version": version, "versions": versions(sys.executable), "run": run,
-              "timed_steps": timed, "smoke": args.smoke, "shapes": dict(previous.get("shapes", {})),
-              "runs": [r for r in previous.get("runs", []) if r["shape"] not in shapes],
+              "timed_steps": timed, "smoke": args.smoke, "runs": kept,
               "machine": machine(load_average_at_start=os.getloadavg()),
               "commands": {"benchmark": "python bench/vs_trl_real.py " + " ".join(argv if argv is not None
                                                                                  else sys.argv[1:])}}
+    done = {(r["shape"], r["side"], r["mu"], r["rep"]) for r in kept}
     env, t0 = run_env(), time.perf_counter()
     for shape in shapes:
         model = shape_folder(shape, work)
@@ -267,12 +294,13 @@ def main(argv=None) -> int:
         ds_file = work / shape / "ds_config_trl.json"
         ds_file.write_text(json.dumps(trl_ds_config(cfg, False, eng.ds_config(
             cfg, 2, AutoConfig.from_pretrained(model).hidden_size)), indent=1))
-        runs = []
         for rep in range(reps):
             for mu in mus:
                 spr = mu * cfg.optimizer_steps_per_pass
                 steps = steps_for(timed + spr, spr)
                 for side in SIDES:
+                    if (shape, side, mu, rep) in done:
+                        continue
                     run_dir = work / shape / f"mu{mu}-rep{rep}"
                     shutil.rmtree(run_dir / side, ignore_errors=True)
                     run_dir.mkdir(parents=True, exist_ok=True)
@@ -285,21 +313,20 @@ def main(argv=None) -> int:
                         tail = "\n".join((run_dir / f"{side}.log").read_text(errors="replace").splitlines()[-25:])
                         sys.exit(f"vs_trl_real: {shape} {side} mu {mu} failed ({peaks['exit_code']}):\n{tail}")
                     parsed = read_side(side, run_dir, spr, cfg.completions_per_rollout * 2 // spr)
-                    runs.append({"shape": shape, "side": side, "mu": mu, "rep": rep, "max_steps": steps,
-                                 "load_1m": [load, os.getloadavg()[0]], "wall_s": peaks["wall_s"],
-                                 "peak_bytes": peaks["peak_bytes"], **parsed})
-        result["runs"] += runs
-        result["shapes"][shape] = summarize(runs, shape, mus)
-        result["shapes"][shape]["model"] = model.name
+                    result["runs"].append({"shape": shape, "model": model.name, "side": side, "mu": mu, "rep": rep,
+                                           "max_steps": steps, "load_1m": [load, os.getloadavg()[0]],
+                                           "commit": CODE_AT_START.get("commit"),
+                                           "wall_s": peaks["wall_s"], "peak_bytes": peaks["peak_bytes"], **parsed})
+                    result["this_invocation_wall_s"] = time.perf_counter() - t0
+                    result["machine"]["load_average_at_end"] = os.getloadavg()
+                    save(result, out, planned)
     result["this_invocation_wall_s"] = time.perf_counter() - t0
     result["machine"]["load_average_at_end"] = os.getloadavg()
-    save_json(name, result, out)
-    plot(result, out / "vs_trl_real.png")
-    if args.workdir is None:
-        shutil.rmtree(work, ignore_errors=True)
+    save(result, out, planned)
     for shape, s in result["shapes"].items():
         print(f"{shape}: ours/TRL {s['step_time_ratio']}, ours/floor {s['floor_ratio']}, "
               f"peak memory ours/TRL {s['peak_rss_ratio']:.2f}")
+    print(f"vs_trl_real: {len(result['runs_to_go'])} runs to go" if result["runs_to_go"] else "vs_trl_real: complete")
     return 0
 
 

@@ -260,7 +260,8 @@ def test_vs_trl_smoke(tmp_path):
 def test_vs_trl_real_smoke(tmp_path):
     """bench/vs_trl_real.py --smoke: the recipe, TRL and the plain-PyTorch floor on the real SmolLM2 weights
     through its chat template, each side's phases, tokens and per-rank peak memory, the ratios and the figure."""
-    bench(tmp_path, "vs_trl_real.py", "--smoke", "--out", str(tmp_path), timeout=1500)
+    bench(tmp_path, "vs_trl_real.py", "--smoke", "--out", str(tmp_path), "--workdir", str(tmp_path / "w"),
+          timeout=1500)
     r = written(tmp_path / "vs_trl_real.json")
     s = r["shapes"]["smollm2"]
     assert r["smoke"] and r["trl_version"] == "1.16.0" and r["run"]["learning_rate"] == 1e-30
@@ -270,7 +271,16 @@ def test_vs_trl_real_smoke(tmp_path):
         assert entry["sec_per_step"] > 0 and entry["tokens_per_s"] > 0 and entry["peak_rss_bytes"] > 2**20
         assert {"generate", "prepare", "forward", "backward", "other"} <= entry["phases_s_per_step"].keys()
     assert {(x["side"], len(x["peak_bytes"])) for x in r["runs"]} == {("ours", 2), ("trl", 2), ("floor", 2)}
+    assert r["complete"] and r["runs_to_go"] == []
     assert_plot(tmp_path / "vs_trl_real.png", 660, 440)
+    # a later invocation keeps the finished runs and measures only what is missing (the study spans sessions)
+    kept = [x for x in r["runs"] if x["side"] != "floor"]
+    (tmp_path / "vs_trl_real.json").write_text(json.dumps({**r, "runs": kept}))
+    proc = bench(tmp_path, "vs_trl_real.py", "--smoke", "--out", str(tmp_path), "--workdir", str(tmp_path / "w"),
+                 timeout=900)
+    again = written(tmp_path / "vs_trl_real.json")
+    assert "mu 1 floor" in proc.stderr and "mu 1 ours" not in proc.stderr and "mu 1 trl" not in proc.stderr
+    assert again["runs"][:2] == kept and again["runs"][2]["side"] == "floor" and again["complete"]
 
 
 @pytest.mark.slow

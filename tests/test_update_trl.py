@@ -87,8 +87,9 @@ def test_recipe_update_equals_trls_trainer(trl_run, tmp_path, model_dir):
     # what the comparison covers: both steps clip the gradient, and the second pass clips the ratio
     assert [e["step"] for e in logs] == [1, 2] and min(e["grad_norm"] for e in logs) > CASE["max_grad_norm"]
     assert logs[1]["clip_ratio/region_mean"] > 0.1
-    got = run_cases(tmp_path, 2, [{"name": f"mu{mu}", "rollout": str(trl_run), **CASE,
-                                   "model_name_or_path": str(model_dir), "num_iterations": mu} for mu in (1, 2)], "ours")
+    cases = [{"name": f"mu{mu}", "rollout": str(trl_run), **CASE, "model_name_or_path": str(model_dir),
+              "num_iterations": mu} for mu in (1, 2)]
+    got = run_cases(tmp_path, 2, cases, "ours")
     start = weights(model_dir)
     for mu in (1, 2):
         trl = weights(trl_run / f"step-{mu}")
