@@ -497,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summarize", action="store_true", help="train nothing: summarize the runs kept in the results "
                                                              "file and those finished in the work folder")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="run only these seeds now")
+    ap.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=None,
+                    help="run only these variants now (e.g. the shorter runs, where a session has less time left)")
     ap.add_argument("--docs", action="store_true", help="rewrite README's and bench/README's section from the "
                                                         "results file, and stop")
     args = ap.parse_args(argv)
@@ -556,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     def run(setting, variant, seed):
         key = (setting, variant, seed)
         on_disk = done_on_disk(work / setting / f"{variant}-seed{seed}" / "snapshots", list(points))
-        if key not in state["runs"] and (on_disk or not args.summarize) and (not args.seeds or seed in args.seeds):
+        now = (not args.seeds or seed in args.seeds) and (not args.variants or variant in args.variants)
+        if key not in state["runs"] and (on_disk or not args.summarize) and now:
             state["runs"][key] = one_run(variant, seed, setting, ctx)
             write(out, design, state, untrained, t_start, load_start)
         return state["runs"].get(key)
