@@ -352,9 +352,14 @@ def test_gpu_check_refuses_a_wheel_folder_that_is_not_there(tmp_path):
 def test_real_vs_trl_smoke(tmp_path):
     """bench/real_vs_trl.py --smoke: the pilots and their gate (always met in the smoke), the comparison of three
     variants with rollout-budget snapshots on both sides, the evaluations, the verdicts on three clocks and the
-    figure, on the real SmolLM2 weights (no claim: two rollouts a run); a second invocation keeps every run."""
+    figure, on the real SmolLM2 weights (no claim: two rollouts a run); a run left out now (--variants) is the only
+    one a later invocation trains; a further invocation keeps every run."""
     args = ("real_vs_trl.py", "--smoke", "--out", str(tmp_path), "--workdir", str(tmp_path / "work"))
-    bench(tmp_path, *args, timeout=1800)
+    bench(tmp_path, *args, "--variants", "trl_mu1", "ours_mu1", timeout=1800)
+    part = written(tmp_path / "real_vs_trl.json")
+    assert not part["complete"] and {run["variant"] for run in part["runs"]} == {"trl_mu1", "ours_mu1"}
+    proc = bench(tmp_path, *args, timeout=1800)
+    assert "ours_mu2 seed 0" in proc.stderr and "mu1 seed 0" not in proc.stderr
     r = written(tmp_path / "real_vs_trl.json")
     d = r["design"]
     assert d["smoke"] and d["trl_version"] == "1.16.0" and r["selection"]["pilot_gate_met"]
