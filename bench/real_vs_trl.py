@@ -455,7 +455,7 @@ def render(r: dict | None, figure: str | None = None, short: bool = False) -> st
         if par:
             lines.append(f"- Parity: ours_mu1 - trl_mu1 mean held-out accuracy {f(par['mean_accuracy_difference'], '+.3f')}"
                          f" (2 s.e. {f(par['interval_2se'])}; spread between trl_mu1's seeds {f(par['seed_spread_trl_mu1'])}):"
-                         f" **{'holds' if v['parity_holds'] else 'not shown' + ('' if r['complete'] else ' yet')}**.")
+                         f" **{('holds' if v['parity_holds'] else 'not shown') + ('' if r['complete'] else ' so far')}**.")
         if v.get("target_defined"):
             lines.append(f"- Reuse: target {f(v['target_accuracy'])}; rollouts to it over ours_mu1's (median over "
                          f"seeds): " + ", ".join(f"{k} {f(x, '.2f')}" for k, x in v["rollouts_ratio_vs_ours_mu1"].items())
