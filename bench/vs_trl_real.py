@@ -206,10 +206,12 @@ def summarize(runs: list[dict], shape: str) -> dict | None:
     return out
 
 
-def save(result: dict, out: Path, planned: list[tuple]) -> None:
+def save(result: dict, out: Path, planned: list[tuple], t0: float) -> None:
     """The results file as it stands, after every run: a later invocation continues from it."""
     from common import save_json
 
+    result["this_invocation_wall_s"] = time.perf_counter() - t0
+    result["machine"]["load_average_at_end"] = os.getloadavg()
     done = {(r["shape"], r["side"], r["mu"], r["rep"]) for r in result["runs"]}
     result["shapes"] = {shape: s for shape in dict.fromkeys(r["shape"] for r in result["runs"])
                         if (s := summarize(result["runs"], shape)) is not None}
@@ -317,12 +319,8 @@ def main(argv=None) -> int:
                                            "max_steps": steps, "load_1m": [load, os.getloadavg()[0]],
                                            "commit": CODE_AT_START.get("commit"),
                                            "wall_s": peaks["wall_s"], "peak_bytes": peaks["peak_bytes"], **parsed})
-                    result["this_invocation_wall_s"] = time.perf_counter() - t0
-                    result["machine"]["load_average_at_end"] = os.getloadavg()
-                    save(result, out, planned)
-    result["this_invocation_wall_s"] = time.perf_counter() - t0
-    result["machine"]["load_average_at_end"] = os.getloadavg()
-    save(result, out, planned)
+                    save(result, out, planned, t0)
+    save(result, out, planned, t0)
     for shape, s in result["shapes"].items():
         print(f"{shape}: ours/TRL {s['step_time_ratio']}, ours/floor {s['floor_ratio']}, "
               f"peak memory ours/TRL {s['peak_rss_ratio']:.2f}")
