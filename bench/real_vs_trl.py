@@ -343,9 +343,22 @@ def verdicts(runs: list[dict], budget: int) -> dict:
         steps = statistics.median(len(r["step_s"]) for r in by[v].values())
         gain = statistics.median(r["final_accuracy"] - untrained for r in by[v].values())
         out["per_pass"][v]["gain_per_optimizer_step"] = gain / max(steps, 1)
+    # the first crossing of the target hides a fall after it: the mean over the evaluation points shows one
+    mean_acc = lambda r: statistics.mean(c["accuracy"] for c in r["curve"][1:])  # noqa: E731
+    out["mean_accuracy"] = {v: statistics.median(mean_acc(r) for r in seeds.values()) for v, seeds in by.items()}
+    out["replay_worth"] = {}
+    for v, seeds in by.items():
+        # a model: with m passes a rollout the target takes R x ours_mu1's rollouts, so R x (1 + (m - 1) w) = 1,
+        # w a replay's worth in fresh passes; a replay pays where generation's share g of a step exceeds 1 - w
+        m = statistics.median(len(r["step_pass"]) / max(len(set(r["step_rollout"])), 1) for r in seeds.values())
+        ratio_v = out["rollouts_ratio_vs_ours_mu1"].get(v)
+        if m > 1 and ratio_v:
+            w = (1.0 / ratio_v - 1.0) / (m - 1.0)
+            out["replay_worth"][v] = {"passes_per_rollout": m, "worth": w,
+                                      "pays_above_share": None if w <= 0 else max(1.0 - w, 0.0),
+                                      "worth_is_upper_bound": bool(out["rollouts_to_target"][v]["bound"])}
     if "trl_mu1" in by:
         paired = [s for s in base if s in by["trl_mu1"]]
-        mean_acc = lambda r: statistics.mean(c["accuracy"] for c in r["curve"][1:])  # noqa: E731
         diffs = [mean_acc(base[s]) - mean_acc(by["trl_mu1"][s]) for s in paired]
         spread = statistics.stdev([mean_acc(r) for r in by["trl_mu1"].values()]) if len(by["trl_mu1"]) > 1 else None
         d = statistics.mean(diffs) if diffs else None
@@ -465,11 +478,48 @@ def render(r: dict | None, figure: str | None = None, short: bool = False) -> st
                          + f". Goal met: **{'yes' if v['reuse_goal_met'] else 'no' if r['complete'] else 'not yet'}**.")
         else:
             lines.append("- Reuse: ours_mu1 gained nothing at its median, so no target can be set.")
+        lines += bought(r, f)
     if v and short:  # one paragraph: the README stays short
         lines[first_verdict - 2:] = [" ".join([lines[first_verdict - 2]] + [x.lstrip("- ") for x in lines[first_verdict:]])]
     if figure:
         lines += ["", f"![Held-out accuracy against rollouts, measured and projected seconds]({figure})"]
     return "\n".join(lines)
+
+
+def bought(r: dict, f) -> list[str]:
+    """The verdicts' last two sentences: what a replay bought (its worth in fresh passes, a model, beside its
+    drift, clipping and entropy, and the mean accuracy that shows a fall after the target), and when to turn reuse
+    on; with the default the recipe ships."""
+    from grpo_recipe.config.schema import Config
+
+    v, worth = r["verdicts"], r["verdicts"].get("replay_worth", {})
+    if not worth:
+        return []
+    parts = []
+    for name, x in worth.items():
+        passes = v["per_pass"][name]
+        replays = [passes[p] for p in sorted((p for p in passes if p.isdigit() and p != "0"), key=int)]
+        drift = "/".join(f(p["approx_kl"]) for p in replays)
+        clip = "/".join(f(100 * p["clip_fraction"], ".1f") for p in replays)
+        entropy = "/".join(f(p["entropy"]) for p in [passes["0"], *replays])
+        parts.append(f"{name} ({f(x['passes_per_rollout'], '.2f')} passes a rollout): a replay worth "
+                     f"{'at most ' if x['worth_is_upper_bound'] else ''}{f(x['worth'], '+.2f')} of a fresh pass, "
+                     f"run at KL {drift}, {clip}% of tokens clipped, entropy by pass {entropy}")
+    means = ", ".join(f"{k} {f(x)}" for k, x in v["mean_accuracy"].items())
+    best = max(worth, key=lambda k: worth[k]["worth"])
+    share = worth[best]["pays_above_share"]
+    default = Config().num_iterations
+    when = (f"here the best replay variant, {best}, is worth {f(worth[best]['worth'], '+.2f')}, so at no share"
+            if share is None else f"here {best}'s replays pay at any share" if share == 0
+            else f"here {best}'s replays pay above g = {f(share, '.2f')}")
+    when += "" if r["complete"] else " (so far)"
+    return [f"- What a replay bought (a model: a variant with m passes a rollout that takes R x ours_mu1's rollouts "
+            f"to the target has replays worth w = (1/R - 1)/(m - 1) of a fresh pass): " + "; ".join(parts)
+            + f". Mean held-out accuracy over the evaluation points (median over seeds; the target counts a run's "
+            f"first crossing; a fall after it shows here): {means}.",
+            f"- When to turn reuse on: where generation's share of a mu = 1 step, time_generate_s / (time_generate_s"
+            f" + time_train_s) in the metrics, exceeds 1 - w for your model and learning rate; {when}. The shipped "
+            f"default is num_iterations: {default}" + (", as in TRL." if default == 1 else ".")]
 
 
 def write_docs(result: dict) -> list[Path]:

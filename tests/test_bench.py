@@ -392,7 +392,7 @@ def synthetic_run(variant, seed, accuracies, points=(8, 16), mu=1, step_s=10.0, 
     gen = [gen_s if i % mu == 0 else 0.0 for i in range(steps)]
     return {"variant": variant, "seed": seed, "setting": "A", "curve": curve, "final_accuracy": accuracies[-1],
             "step_s": [step_s - gen_s + g for g in gen], "step_gen_s": gen, "step_pass": [i % mu for i in range(steps)],
-            "step_kl": [0.01 * (i % mu) for i in range(steps)], "step_clip": [0.0] * steps,
+            "step_rollout": [i // mu for i in range(steps)], "step_kl": [0.01 * (i % mu) for i in range(steps)], "step_clip": [0.0] * steps,
             "step_entropy": [0.5] * steps, "rollout_accuracy": [0.3] * points[-1], "rollout_length": [12.0] * points[-1]}
 
 
@@ -402,7 +402,7 @@ def test_real_vs_trl_verdicts_follow_their_declared_rules():
     compares the paired difference with the spread between seeds; the gate needs the gain and no fall after the
     first quarter."""
     sys.path.insert(0, str(REPO / "bench"))
-    from real_vs_trl import crossing, gate, point_times, verdicts
+    from real_vs_trl import bought, crossing, gate, point_times, verdicts
 
     assert crossing([0, 8, 16], [0.3, 0.4, 0.5], 0.45) == 12.0
     assert crossing([0, 8, 16], [0.3, 0.4, 0.5], 0.6) is None and crossing([0, 8], [0.5, 0.6], 0.4) == 0
@@ -420,6 +420,25 @@ def test_real_vs_trl_verdicts_follow_their_declared_rules():
     mu2 = runs[3]
     assert abs(point_times(mu2, f)[1] - (8 * (4 * f + 6) + 8 * 6)) < 1e-9  # 8 rollouts: a generating step, a replay
     assert v["per_pass"]["ours_mu2"]["1"]["approx_kl"] == 0.01
+    # a replay's worth (a model): mu = 2 reaches the target in R = to_mu2 / to_mu1 of ours_mu1's rollouts with 2
+    # passes each, so R (1 + w) = 1, and pays above g = 1 - w; here R = 0.45: w > 1, worth more than a fresh pass
+    worth = v["replay_worth"]["ours_mu2"]
+    assert worth["passes_per_rollout"] == 2 and abs(worth["worth"] - (to_mu1 / to_mu2 - 1)) < 1e-9
+    assert worth["pays_above_share"] == 0.0 and "ours_mu1" not in v["replay_worth"]
+    assert v["mean_accuracy"] == pytest.approx({"ours_mu1": 0.425, "ours_mu2": 0.51, "trl_mu1": 0.425})
+    fmt = lambda x, spec=".3f": format(x, spec)  # noqa: E731
+    assert "here ours_mu2's replays pay at any share" in bought({"verdicts": v, "complete": True}, fmt)[1]
+    # the target (0.45) at 8 rollouts: R = 8 / to_mu1 = 0.6, w = 2/3, pays above g = 1/3
+    mid = verdicts([*runs[:3], *(synthetic_run("ours_mu2", s, [0.3, 0.45, 0.52], mu=2) for s in (0, 1, 2))], 16)
+    assert abs(mid["replay_worth"]["ours_mu2"]["pays_above_share"] - 1 / 3) < 1e-9
+    text = "\n".join(bought({"verdicts": mid, "complete": True}, fmt))
+    assert "ours_mu2 (2.00 passes a rollout): a replay worth +0.67 of a fresh pass, run at KL 0.010" in text
+    assert "here ours_mu2's replays pay above g = 0.33. The shipped default is num_iterations: 1" in text
+    # R > 1: replays set learning back, they pay at no share
+    worse = verdicts([*runs[:3], *(synthetic_run("ours_mu2", s, [0.3, 0.3, 0.46], mu=2) for s in (0, 1, 2))], 16)
+    assert worse["replay_worth"]["ours_mu2"]["pays_above_share"] is None
+    w = to_mu1 / (8 + 8 * 0.15 / 0.16) - 1  # -0.14
+    assert f"is worth {w:+.2f}, so at no share (so far)" in bought({"verdicts": worse, "complete": False}, fmt)[1]
     # ours_mu1's mean over the points is 0.425 on every seed, trl_mu1's 0.42 / 0.425 / 0.43: a difference of 0,
     # within the spread between trl_mu1's seeds (0.005)
     assert v["parity"]["paired_seeds"] == [0, 1, 2] and abs(v["parity"]["mean_accuracy_difference"]) < 1e-9

@@ -53,7 +53,7 @@ def test_every_test_a_page_names_as_holding_a_promise_exists():
 DEFAULT_PATTERNS = (r"`(\w+)` defaults? to `?([\w.+\-]+)`?",
                     r"\(`(\w+): ([\w.+\-]+)`, the default\)",
                     r"`(\w+): N`, ([\w.+\-]+) by default",
-                    r"`(\w+): \w+` \(an option; the default is (?:mu = )?([\w.+\-]+)\)",
+                    r"`(\w+): \w+` \(an option; the default is (?:mu = )?([\w.+\-]+?)[,)]",
                     r"`(\w+)` is `([\w.+\-]+)` \(TRL: ")
 STATING_DEFAULTS = ("README.md", "docs/*.md", "bench/README.md", "grpo_recipe/configs/*.yaml")
 
@@ -89,7 +89,7 @@ def test_every_default_the_prose_states_is_the_schemas():
 
 
 def test_the_defaults_check_fails_on_a_wrong_default_in_a_scratch_copy(tmp_path):
-    """A test of the test: the README's default of num_iterations changed to auto in a copy is caught."""
+    """A test of the test: the README's default of num_iterations changed to 4 in a copy is caught."""
     import shutil
 
     for name in ("README.md", "docs", "bench/README.md", "grpo_recipe/configs"):
@@ -97,8 +97,8 @@ def test_the_defaults_check_fails_on_a_wrong_default_in_a_scratch_copy(tmp_path)
         dst.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
     readme = tmp_path / "README.md"
-    readme.write_text(readme.read_text().replace("`num_iterations` defaults to 1", "`num_iterations` defaults to auto"))
-    assert wrong_defaults(tmp_path) == ["README.md: num_iterations stated as auto, config/schema.py has 1"]
+    readme.write_text(readme.read_text().replace("the default is mu = 1", "the default is mu = 4"))
+    assert wrong_defaults(tmp_path) == ["README.md: num_iterations stated as 4, config/schema.py has 1"]
 
 
 def test_the_readmes_reward_snippet_is_the_shipped_examples_code():
