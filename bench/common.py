@@ -134,6 +134,15 @@ def cost_clock(rows: list[dict], prices: dict[str, float]) -> list[float]:
     return [sum(prices[k] * r[k] for k in COST_TERMS) + prices["rollout"] * (i + 1) for i, r in enumerate(rows)]
 
 
+def save_figure(fig, path: Path) -> None:
+    """A matplotlib figure as a PNG with a 256-colour palette: a third of the size of matplotlib's own, so the
+    figures stay small in the repository (tests/test_docs.py caps the tracked tree)."""
+    from PIL import Image
+
+    fig.savefig(path, dpi=110)
+    Image.open(path).convert("RGB").quantize(256).save(path, optimize=True)
+
+
 def _git(*args: str) -> str:
     proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
     return proc.stdout.strip() if proc.returncode == 0 else "unknown"

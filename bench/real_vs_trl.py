@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, RESULTS, machine, read_jsonl, save_json
+from common import REPO, RESULTS, machine, read_jsonl, save_figure, save_json
 
 SMOLLM2 = "smollm2-135m-instruct"  # grpo_recipe.tools.prepare_model --source smollm2, in the recipe's cache
 TASK = "basic_arithmetic"
@@ -410,10 +410,7 @@ def plot(runs: list[dict], result: dict, path: Path) -> None:
             ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    from PIL import Image  # a 256-colour palette: the figure stays small in the repository as runs are added
-
-    Image.open(path).convert("RGB").quantize(256).save(path, optimize=True)
+    save_figure(fig, path)
     plt.close(fig)
 
 

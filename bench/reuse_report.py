@@ -4,7 +4,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from common import smoothed
+from common import save_figure, smoothed
 
 FRACTIONS = (0.5, 0.8, 0.9)
 SMOOTH = 4
@@ -89,5 +89,5 @@ def plot(regime: str, runs: list[dict], summary: dict, path: Path) -> None:
     ax.set_title(f"{title}\ngeneration share at mu=1: {summary['generation_share_mu1']:.2f}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
