@@ -187,9 +187,14 @@ def loop(work: Path, cuda: bool) -> dict:
     def weights(name: str) -> dict:
         return {k: v.float() for f in sorted((work / name / "final").glob("*.safetensors")) for k, v in load_file(f).items()}
 
-    res = {"full": train("full", "--max_steps", "4", "--save_steps", "2", "--overwrite_output_dir", "true")}
-    res["first_half"] = train("resumed", "--max_steps", "2", "--save_steps", "2", "--overwrite_output_dir", "true")
-    res["resumed"] = train("resumed", "--max_steps", "4", "--save_steps", "2", "--resume_from_checkpoint", "auto")
+    # a GPU's kernels are deterministic only when asked (the tied embedding's index_add_, attention's backward):
+    # both sides of the resume comparison run with full_determinism, as a user who needs bit-exact resumes would
+    exact = ("--full_determinism", "true")
+    res = {"full": train("full", "--max_steps", "4", "--save_steps", "2", "--overwrite_output_dir", "true", *exact)}
+    res["first_half"] = train("resumed", "--max_steps", "2", "--save_steps", "2", "--overwrite_output_dir", "true",
+                              *exact)
+    res["resumed"] = train("resumed", "--max_steps", "4", "--save_steps", "2", "--resume_from_checkpoint", "auto",
+                           *exact)
     res["lora_beta"] = train("lora", "--use_peft", "true", "--beta", "0.04", "--learning_rate", "1e-3", "--max_steps",
                              "2", "--save_steps", "0", "--overwrite_output_dir", "true")
     res["trl_menu"] = train("menu", "--beta", "0.04", "--sync_ref_model", "true", "--ref_model_sync_steps", "1",

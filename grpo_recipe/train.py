@@ -154,6 +154,10 @@ def setup(cfg: Config, data: tuple | None = None) -> tuple[Run, LoopState]:
         check_answer_columns(rewards, prompts.column_names)
     if signals.pending():  # before the process group and the output folder: nothing is touched yet
         raise StoppedAtStartup(f"stopped by {signals.pending()} during start-up, before anything was written")
+    if cfg.full_determinism:  # before any CUDA work: cuBLAS reads its workspace setting when it starts
+        from transformers.trainer_utils import enable_full_determinism
+
+        enable_full_determinism(cfg.seed)
     rank, world = init_distributed(cfg.collective_timeout_s, cfg.generation_ranks)  # world: the training ranks
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)

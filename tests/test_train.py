@@ -91,6 +91,18 @@ def test_plain_process_with_kl_and_two_optimizer_steps_per_pass(tmp_path):
     check_final_model(out)
 
 
+def test_full_determinism_repeats_a_cpu_run_exactly(tmp_path):
+    """full_determinism (TRL's field: transformers' enable_full_determinism) makes a GPU run repeat bit for bit; on
+    CPU, already deterministic, it must change nothing: the same losses and rewards on 2 ranks (each rank's seed
+    stays seed + rank)."""
+    runs = {}
+    for name, extra in (("plain", []), ("deterministic", ["--full_determinism", "true"])):
+        torchrun(2, ["-m", "grpo_recipe.train", "--config", QUICKSTART, *SHORT, "--num_iterations", "2",
+                     "--save_steps", "0", "--output_dir", str(tmp_path / name), *extra])
+        runs[name] = [(r["loss"], r["reward_mean"], r["entropy"]) for r in read_jsonl(tmp_path / name / "metrics.jsonl")]
+    assert len(runs["plain"]) == 4 and runs["deterministic"] == runs["plain"]
+
+
 def test_deepspeed_launcher_two_ranks(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", "29731", "--module", "grpo_recipe.train",

@@ -208,6 +208,8 @@ class Config:
     zero_std_filter: bool = opt(False, "leave groups whose rewards are all equal (advantage 0) out of the update")
     # --- run ---------------------------------------------------------------------------
     seed: int = opt(42, "seeds sampling, data order and initialization")
+    full_determinism: bool = opt(False, "deterministic kernels (transformers' enable_full_determinism): a GPU run "
+                                        "repeats bit for bit, a resume too, at some speed (CPU runs do already)")
     output_dir: str = opt("output", "metrics.jsonl, checkpoints/ and final/ go here")
     deepspeed_config: str = opt("ds_configs/zero3.json", "a DeepSpeed JSON (the recipe fills batch and optimizer)")
     logging_steps: int = opt(1, "write metrics every N optimizer steps")

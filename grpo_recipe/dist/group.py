@@ -7,13 +7,33 @@ import os
 
 import torch
 
-from grpo_recipe.dist.env import free_port
+from grpo_recipe.dist.env import LaunchError, free_port
 
 
 # A collective that times out: NCCL's watchdog aborts the communicators but leaves the process (mode 2, "clean up
 # only"), so the rank's next collective raises in Python and liveness names the rank that stopped answering.
 # torch's default (3) ends the process from the watchdog thread: exit 134 and no line saying why.
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def own_gpu() -> int:
+    """This rank's GPU among those the process sees: LOCAL_RANK's, or the only one where the launcher gave each
+    task a GPU of its own (srun --gpus-per-task=1), whatever LOCAL_RANK is; LOCAL_RANK is then rewritten to 0,
+    for DeepSpeed and vLLM pick their device from it too. No CUDA context is made."""
+    local, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if count == 1 and local != 0:
+        os.environ["LOCAL_RANK"] = "0"
+        return 0
+    if local >= count:
+        raise LaunchError(f"LOCAL_RANK is {local} but this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start one rank per visible GPU")
+    return local
+
+
+def bf16_capable() -> bool:
+    """Whether this rank's GPU computes bf16 natively (compute capability 8.0, Ampere, or later; a V100 or T4
+    would emulate it, slowly, and vLLM refuses it), asked without a CUDA context. False without a GPU."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(own_gpu()) >= (8, 0)
 
 
 def backend_name(cuda: bool) -> str:
@@ -52,7 +72,7 @@ def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tup
     timeout = datetime.timedelta(seconds=timeout_s)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(own_gpu())
         for key, value in NCCL_ENV.items():  # a user's own setting wins
             os.environ.setdefault(key, value)
     store = rendezvous.store_for_rank(rank, world, timeout_s)

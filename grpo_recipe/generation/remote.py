@@ -164,7 +164,9 @@ def serve(cfg, data: tuple | None = None) -> int:
 
     lay = link.layout(cfg.generation_ranks)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        from grpo_recipe.dist.group import own_gpu
+
+        torch.cuda.set_device(own_gpu())
     liveness.set_phase("start-up: loading the model")
     path = model_path(cfg)
     tok = load_tokenizer(path)

@@ -7,11 +7,13 @@ import json
 import torch
 
 from grpo_recipe.config.schema import Config, resolve_path
+from grpo_recipe.dist.group import bf16_capable
 
 
 def use_bf16(cfg: Config) -> bool:
+    """bf16: auto is bf16 where this rank's GPU computes it natively, fp32 elsewhere (CPU, pre-Ampere GPUs)."""
     mode = str(cfg.bf16).lower()
-    return torch.cuda.is_available() if mode == "auto" else mode == "true"
+    return bf16_capable() if mode == "auto" else mode == "true"
 
 
 def ds_config(cfg: Config, world_size: int, hidden_size: int, train: bool = True) -> dict:

@@ -53,9 +53,10 @@ class ModelReward:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from grpo_recipe.dist.collectives import device
+        from grpo_recipe.dist.group import bf16_capable
 
         dev = device()
-        dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        dtype = torch.bfloat16 if dev.type == "cuda" and bf16_capable() else torch.float32
         name = str(resolve_path(self.model_name)) if resolve_path(self.model_name).is_dir() else self.model_name
         tok_name = str(resolve_path(self.tokenizer_name)) if resolve_path(self.tokenizer_name).is_dir() \
             else self.tokenizer_name

@@ -20,7 +20,9 @@ import torch
 
 from grpo_recipe.config.schema import Config, ConfigError, looks_like_file, need, resolve_path
 from grpo_recipe.dist.env import launch_env_problem
+from grpo_recipe.dist.group import bf16_capable, own_gpu
 from grpo_recipe.generation.vllm import VLLMUnavailable, check_adapter_mode, check_available
+from grpo_recipe.model.ds_config import use_bf16
 from grpo_recipe.model.source import model_folder, weight_count
 from grpo_recipe.rewards.funcs import RewardError, load_reward_funcs
 from grpo_recipe.run.checkpoint import free_space, mib, min_checkpoint_bytes, space_note
@@ -38,8 +40,7 @@ def preflight(cfg: Config, data_given: bool = False) -> None:
     check_accelerator(torch.cuda.is_available(), os.environ.get("DS_ACCELERATOR"))
     if str(cfg.bf16).lower() == "true" and torch.cuda.is_available():
         # this rank's GPU, asked without a context on it (is_bf16_supported allocates on GPU 0, on every rank)
-        gpu = int(os.environ.get("LOCAL_RANK", "0"))
-        check_bf16(True, torch.cuda.get_device_capability(gpu) >= (8, 0), torch.cuda.get_device_name(gpu))
+        check_bf16(True, bf16_capable(), torch.cuda.get_device_name(own_gpu()))
     elif str(cfg.bf16).lower() == "true":
         check_bf16(False, False, "")
     if looks_like_file(cfg.dataset_name) and not data_given:
@@ -58,12 +59,11 @@ def preflight(cfg: Config, data_given: bool = False) -> None:
     if cfg.generation_backend == "vllm":
         check_vllm(cfg, folder)
         if torch.cuda.is_available() and not cfg.generation_ranks and folder is not None:  # colocated
-            gpu = int(os.environ.get("LOCAL_RANK", "0"))
-            free, total = torch.cuda.mem_get_info(gpu)
+            free, total = torch.cuda.mem_get_info(own_gpu())
             params = weight_count(folder)
             world = int(os.environ.get("WORLD_SIZE", "1"))
             offload = "offload_optimizer" in ds.get("zero_optimization", {})
-            bf16 = str(cfg.bf16).lower() in ("true", "auto")
+            bf16 = use_bf16(cfg)
             trainable = params // 100 if cfg.use_peft else params  # an adapter: about a percent, at most
             check_vllm_memory(cfg.vllm_gpu_memory_utilization, free, total,
                               training_shard_bytes(params, trainable, world, bf16, offload), gpu)
