@@ -280,6 +280,7 @@ def collect_rollout(run: Run, rollout: int, timer: Timer) -> tuple[RolloutBuffer
     liveness.set_phase(f"rollout {rollout}: generation")
     with timer("generate"):
         comp = generate(run, rows.prompt_ids if per_sample else batch.prompt_ids, rollout, per_sample)
+        run.generator.release()  # every turn is in: a colocated engine's memory goes to scoring and training
     error = None  # a bad reward on any rank stops every rank with that rank's message
     with timer("score"):
         try:

@@ -158,7 +158,9 @@ class RecordedLLM:
 def test_sleep_mode_wakes_the_weights_first_and_the_kv_cache_after_the_reload(monkeypatch, adapter):
     """Full syncs: sleep level 2 (the reload overwrites every weight; no copy to host and back), the weights woken
     and reloaded before the KV cache comes back, and never a generation from discarded weights, even with no
-    optimizer step in between. Adapter syncs keep the base weights: level 1."""
+    optimizer step in between. Adapter syncs keep the base weights: level 1. The engine sleeps when the loop says
+    a round of generation is over (release: a rollout's every tool round, an evaluation's every batch), not
+    after each call: a level-2 sleep between two tool rounds would sync every weight again."""
     from types import SimpleNamespace
 
     from grpo_recipe.generation import vllm as v
@@ -174,12 +176,17 @@ def test_sleep_mode_wakes_the_weights_first_and_the_kv_cache_after_the_reload(mo
     monkeypatch.setattr(v, "sample", lambda *a, **k: llm.calls.append("generate") or [])
     monkeypatch.setattr(v, "completions", lambda outs, cfg, tok: outs)
     gen.generate([[1, 2]], seed=0)  # the engine's start weights: no sync
-    gen.generate([[1, 2]], seed=1)  # no step since: level 2 discarded them, so they are reloaded first
+    gen.generate([[1, 2]], seed=1)  # a second tool round of the same rollout: awake, no sync
+    gen.release()
+    gen.release()  # asleep already
+    gen.generate([[1, 2]], seed=2)  # no step since: level 2 discarded them, so they are reloaded first
+    gen.release()
     engine.global_steps = 1
-    gen.generate([[1, 2]], seed=2)
+    gen.generate([[1, 2]], seed=3)
+    gen.release()
     load = "load_adapter" if adapter else "reload_weights"
     level = 1 if adapter else 2
-    first = ["generate", f"sleep(level={level})"]
+    first = ["generate", "generate", f"sleep(level={level})"]
     if adapter:  # the base weights stayed: the next generation wakes both at once
         assert llm.calls == first + ["wake_up(weights,kv_cache)", "generate", "sleep(level=1)",
                                      "wake_up(weights)", load, "wake_up(kv_cache)", "reset_prefix_cache",
@@ -187,6 +194,10 @@ def test_sleep_mode_wakes_the_weights_first_and_the_kv_cache_after_the_reload(mo
     else:
         sync = ["wake_up(weights)", load, "wake_up(kv_cache)", "reset_prefix_cache"]
         assert llm.calls == first + sync + ["generate", "sleep(level=2)"] + sync + ["generate", "sleep(level=2)"]
+    off = v.VLLMGenerator.__new__(v.VLLMGenerator)
+    off.cfg, off.asleep, off.llm = SimpleNamespace(vllm_enable_sleep_mode=False), set(), RecordedLLM()
+    off.release()
+    assert off.llm.calls == []  # without sleep mode the engine keeps its memory
 
 
 def test_a_vllm_release_outside_the_supported_range_is_one_line():

@@ -5,6 +5,8 @@
                                                 # greedy: one argmax decoding per prompt (evaluation); rollout:
                                                 # which training rollout the prompts are (None: evaluation)
     sync(engine)                                # make the backend see the engine's current weights
+    release()                                   # done generating for now (a rollout's every turn, an
+                                                # evaluation): a colocated engine gives its GPU memory to training
     stats                                       # the last rollout's generation metrics (logged with it)
     state_dict() / load_state_dict(state)       # what a checkpoint must keep (a rollout in flight), or None
     close()
@@ -42,6 +44,8 @@ class Generator(Protocol):
                  greedy: bool = False, rollout: int | None = None) -> Completions: ...
 
     def sync(self, engine) -> None: ...
+
+    def release(self) -> None: ...
 
     def state_dict(self) -> dict | None: ...
 

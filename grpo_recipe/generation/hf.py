@@ -104,5 +104,8 @@ class HFGenerator:
     def load_state_dict(self, state: dict | None) -> None:
         pass
 
+    def release(self) -> None:
+        pass  # nothing is held between calls: the gathered weights go back to their shards after each
+
     def close(self) -> None:
         pass

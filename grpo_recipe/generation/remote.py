@@ -130,6 +130,9 @@ class RemoteGenerator:
     def load_state_dict(self, state: dict | None) -> None:
         self.ready = None if state is None else state["ready"]
 
+    def release(self) -> None:
+        pass  # the generation ranks' memory is their own
+
     def close(self) -> None:
         """Take the rollout still in flight (nobody trains on it), then trainer 0 stops the generators."""
         if self.requested is not None:

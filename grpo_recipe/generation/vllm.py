@@ -220,9 +220,13 @@ class VLLMGenerator:
                           lora_request=self.adapter.request if self.adapter else None)
         if self.group is not None:
             outs = outs[offset:offset + mine]
-        if self.cfg.vllm_enable_sleep_mode:
-            self._sleep()
         return completions(outs, self.cfg, self.tok)
+
+    def release(self) -> None:
+        """Sleep mode: once a rollout's every turn (or an evaluation's every batch) is generated, not after each
+        call, since a level-2 sleep discards the weights and the next call would sync them all again."""
+        if self.cfg.vllm_enable_sleep_mode and not self.asleep:
+            self._sleep()
 
     def _sleep(self) -> None:
         """Give the GPU memory of the KV cache and the weights to training. Level 2 discards the weights (the

@@ -55,6 +55,7 @@ class Evaluator:
             out = {**self._mode(step, greedy=True), **self._mode(step, greedy=False)}
         finally:
             set_rng_state(rng)
+            self.generator.release()
         return {"eval/prompts": len(self.stream.ds), **out, "eval/time_s": time.perf_counter() - t0}
 
     def _generate(self, batch, seed: int, n: int, greedy: bool, where: str):
