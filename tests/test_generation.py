@@ -25,6 +25,23 @@ def test_finish_cuts_after_first_eos_and_masks():
     assert c.truncated.tolist() == [False, True, False]
 
 
+def test_hf_stop_criterion_stops_a_row_when_its_newest_token_completes_a_stop_string():
+    """transformers' criterion (one copy of the newest tokens per decoding step): a row is done when its completion
+    ends in a stop string, never for one inside the prompt, and whatever the completion's length so far."""
+    import torch
+
+    from grpo_recipe.generation.hf import stop_criteria
+
+    (stop,) = stop_criteria(["7 8", "XX"], FakeTok(), prompt_width=3)
+    ids = torch.tensor([[7, 8, 1, 5, 7, 8],  # the completion ends in "7 8"
+                        [7, 8, 1, 5, 6, 7],  # "7 8" in the prompt only
+                        [1, 1, 7, 8, 9, 9],  # "7 8" spanning prompt and completion: not the completion's
+                        [1, 1, 1, 2, 7, 8]])
+    assert stop(ids, None).tolist() == [True, False, False, True]
+    assert stop(ids[:, :4], None).tolist() == [False, False, False, False]  # one completion token so far
+    assert stop_criteria([], FakeTok(), prompt_width=3) is None
+
+
 def test_finish_cuts_at_the_token_that_completes_a_stop_string():
     raw = [[5, 6, 7, 8, 9], [7, 0, 7, 8, 1], [1, 2, 3, 4, 5], [1, 27, 80, 4, 4], [1, 2, 3]]
     c = finish(raw, eos_id=0, tokenizer=FakeTok(), max_len=5, stops=["7 8", "XX"])

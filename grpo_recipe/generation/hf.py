@@ -21,7 +21,9 @@ def stop_criteria(stops: list[str], tokenizer, prompt_width: int):
 
     class _Stop(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            done = [test.hit(row[prompt_width:].tolist()) for row in input_ids]
+            # the test reads only the newest `window` tokens: one copy to the host per step, not one per row
+            tail = input_ids[:, max(prompt_width, input_ids.shape[1] - test.window):].tolist()
+            done = [test.hit(row) for row in tail]
             return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
     return StoppingCriteriaList([_Stop()]) if test.stops else None
@@ -37,16 +39,16 @@ class SampledLogps:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.last is not None:  # the token sampled from the previous step's scores is the last input now
-            self.picked.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1).cpu())
+            self.picked.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))  # on the device until the end
         self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         return scores
 
     def logps(self, new: torch.Tensor) -> torch.Tensor:
         """[samples, new tokens], given the new tokens (the last one has no later call)."""
         if self.last is not None and len(self.picked) < new.shape[1]:
-            self.picked.append(self.last.gather(-1, new[:, -1:].to(self.last.device)).squeeze(-1).cpu())
+            self.picked.append(self.last.gather(-1, new[:, -1:].to(self.last.device)).squeeze(-1))
         self.last = None
-        return torch.stack(self.picked, dim=1) if self.picked else torch.zeros(new.shape[0], 0)
+        return torch.stack(self.picked, dim=1).cpu() if self.picked else torch.zeros(new.shape[0], 0)
 
 
 class HFGenerator:
