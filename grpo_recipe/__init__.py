@@ -10,7 +10,7 @@ One folder per concern. Each imports only the folders before it in this order (t
     data        prompt datasets: loading, formatting, truncation, rank sharding, epoch order.
     rewards     built-in and user reward functions: loading, weighting, output validation, scoring.
     model       where a model comes from, loading (partitioned, LoRA), the DeepSpeed engines, saving, a warm-up.
-    generation  one interface (generate, sync, close) and its backends, transformers and vLLM; multi-turn
+    generation  one interface (generate, sync, release, close) and its backends, transformers and vLLM; multi-turn
                 rollouts with tools and environments.
     run         the parts of a run: preflight, output folder, checkpoints, metrics, trackers, evaluation.
     tools       the command-line programs: evaluate, export, prepare_model, prepare_data, make_gsm8k_like, sft.
