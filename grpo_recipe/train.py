@@ -472,6 +472,9 @@ def execute(cfg: Config, data: tuple | None = None) -> int:
     except ConfigError as e:
         say_error(f"config error: {e}")
         return 2
+    except LaunchError as e:  # e.g. more ranks on this node than GPUs it sees
+        say_error(f"error: {e}")
+        return 2
     if cfg.generation_ranks and layout(cfg.generation_ranks).is_generator:
         try:
             return serve(cfg, data)  # until the training ranks say stop
