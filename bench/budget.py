@@ -17,7 +17,11 @@ from pathlib import Path
 class RolloutBudget:
     def __init__(self, spec: dict):
         self.points, self.dir = sorted(spec["rollouts"]), Path(spec["dir"])
-        self.taken: list[dict] = []
+        # a resumed run (bench/real_vs_trl.py) keeps the snapshots taken before it was cut off: a resume repeats
+        # training bit for bit, so they are the snapshots it would take again
+        done = self.dir / "snapshots.json"
+        self.taken: list[dict] = json.loads(done.read_text()) if done.is_file() else []
+        self.points = [p for p in self.points if p not in {t["rollouts"] for t in self.taken}]
 
     @classmethod
     def from_env(cls) -> "RolloutBudget | None":

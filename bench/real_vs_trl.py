@@ -67,6 +67,8 @@ PILOT_VARIANTS = ("trl_mu1", "ours_mu1")
 VARIANTS = {"trl_mu1": ("trl", 1), "ours_mu1": ("ours", 1), "ours_mu2": ("ours", 2), "ours_mu4": ("ours", 4),
             "ours_auto_g80": ("ours", "auto")}
 AUTO_G, AUTO_MAX = 0.8, 8
+SAVE_STEPS = 16  # a recipe run checkpoints every SAVE_STEPS steps, keeping the last (not part of the design): a
+# run cut off at the end of a working session resumes from it
 SHARES = (0.5, 0.8, 0.9)
 TARGET_FRACTION = 0.75
 SMOKE = {"hyper": {"max_completion_length": 8, "num_generations": 4, "per_device_train_batch_size": 4,
@@ -74,7 +76,8 @@ SMOKE = {"hyper": {"max_completion_length": 8, "num_generations": 4, "per_device
          # the pilots' runs are the comparison's (seed 0): CI's minutes, no claim
          "budget": 2, "points": (1, 2), "eval_n": 6, "eval_max_new_tokens": 8, "pilot_seeds": (0,), "seeds": (0,),
          "settings": {"A": {}}, "variants": ("trl_mu1", "ours_mu1", "ours_mu2"),
-         "gate_gain": -1.0}  # the smoke's pilots always pass: the comparison stage runs too (no claim)
+         "gate_gain": -1.0,  # the smoke's pilots always pass: the comparison stage runs too (no claim)
+         "save": (1, 0)}  # every step's checkpoint kept: the test cuts a run back to one and resumes it
 GOALS = {"parity": "ours_mu1 and trl_mu1 learn alike (paired difference of mean held-out accuracy within the "
                    "spread between seeds)",
          "reuse": "ours_mu2 or ours_auto_g80 reaches the target in <= 0.6x ours_mu1's rollouts (median over seeds) "
@@ -156,13 +159,21 @@ def one_run(variant: str, seed: int, setting: str, ctx: dict) -> dict:
     snaps = run_dir / "snapshots"
     points = list(ctx["points"])
     if not done_on_disk(snaps, points):
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        run_dir.mkdir(parents=True)
+        resumes = resumed_launches(run_dir) if impl == "ours" else None
+        if resumes is None:
+            subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+            run_dir.mkdir(parents=True)
         steps = ctx["budget"] * (AUTO_MAX if mu == "auto" else mu) + 1
         env = {**ctx["env"], "BUDGET_SPEC": json.dumps({"rollouts": points, "dir": str(snaps)})}
         if impl == "ours":
+            # checkpoints outside the design (they change no number a run trains to): a run cut off, at the end of
+            # a working session, continues from its last one
             argv = recipe_argv(ctx["model"], ctx["data"], hyper, seed) + [
-                "--output_dir", str(run_dir / "ours"), "--max_steps", str(steps), "--num_iterations", str(mu)]
+                "--output_dir", str(run_dir / "ours"), "--max_steps", str(steps), "--num_iterations", str(mu),
+                "--save_steps", str(ctx["save"][0]), "--save_total_limit", str(ctx["save"][1])]
+            if resumes is not None:
+                argv += ["--resume_from_checkpoint", "auto"]
+                (run_dir / "resumed.json").write_text(json.dumps(resumes + 1))
             if mu == "auto":
                 argv += ["--reuse_generation_share", str(AUTO_G), "--reuse_max_iterations", str(AUTO_MAX)]
             cmd = torchrun(2, ["bench/ours_runner.py", *argv])
@@ -177,9 +188,10 @@ def one_run(variant: str, seed: int, setting: str, ctx: dict) -> dict:
                                         "reward_funcs": cfg.reward_funcs, "chat_prompts": True,
                                         "grpo_config": trl_fields(cfg, 1, steps, False) | {"seed": seed}}, indent=1))
             cmd = torchrun(2, ["bench/trl_runner.py", str(spec)])
-        print(f"real_vs_trl: setting {setting}, {variant} seed {seed}", file=sys.stderr, flush=True)
+        print(f"real_vs_trl: setting {setting}, {variant} seed {seed}"
+              + (" (resumed from its last checkpoint)" if resumes is not None else ""), file=sys.stderr, flush=True)
         load = os.getloadavg()[0]
-        launch(cmd, env, run_dir / "run.log", 7200)
+        launch(cmd, env, run_dir / ("run.log" if resumes is None else f"run.resumed{resumes + 1}.log"), 6 * 3600)
         (run_dir / "load.json").write_text(json.dumps([load, os.getloadavg()[0]]))
         for snap in snaps.glob("r*"):  # TRL saves no tokenizer with the weights
             for f in ctx["model"].glob("tokenizer*"):
@@ -198,8 +210,18 @@ def one_run(variant: str, seed: int, setting: str, ctx: dict) -> dict:
     saves = {t["step"] + 1: t["save_s"] for t in taken}
     logs["step_s"] = [s - saves.get(i + 1, 0.0) for i, s in enumerate(logs["step_s"])]
     load = json.loads((run_dir / "load.json").read_text()) if (run_dir / "load.json").is_file() else None
+    resumed = json.loads((run_dir / "resumed.json").read_text()) if (run_dir / "resumed.json").is_file() else 0
     return {"variant": variant, "seed": seed, "setting": setting, "curve": curve, "final_right": final_right,
-            "final_accuracy": curve[-1]["accuracy"], "load_1m": load, **logs}
+            "final_accuracy": curve[-1]["accuracy"], "load_1m": load, **logs, **({"resumed": resumed} if resumed else {})}
+
+
+def resumed_launches(run_dir: Path) -> int | None:
+    """How often a recipe run cut off before its budget was spent has been resumed so far, when its folder holds a
+    checkpoint to continue from (the recipe resumes bit for bit); None: start it afresh."""
+    if not any((run_dir / "ours" / "checkpoints").glob("step-*")):
+        return None
+    done = run_dir / "resumed.json"
+    return json.loads(done.read_text()) if done.is_file() else 0
 
 
 def done_on_disk(snaps: Path, points: list[int]) -> bool:
@@ -594,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
               "completions_per_rollout": 2 * next(iter(hyper.values()))["per_device_train_batch_size"]}
     ctx = {"work": work, "model": model, "data": data, "hyper": hyper, "trl_prompts": trl_prompts, "trl_ds": trl_ds,
            "env": run_env(), "budget": budget, "points": points, "eval_n": eval_n, "eval_max_new_tokens": eval_tokens,
-           "untrained": untrained}
+           "untrained": untrained, "save": smoke.get("save", (SAVE_STEPS, 1))}
     path = out / "real_vs_trl.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     kept = {(r["setting"], r["variant"], r["seed"]): r for r in old.get("runs", [])} if old.get("design") == design else {}

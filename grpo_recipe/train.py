@@ -402,8 +402,6 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             state.position = last_step if skip_rest else (done.pass_index, done.step_index)
             state.reuse, state.entropy = reuse.state_dict(), entropy.state_dict()
             report(run, state, logger, records[-1])
-            # an evaluation's time is its own (eval/time_s), not the next step's
-            last, last_cpu = time.perf_counter(), time.process_time()
             # checkpoint on schedule, at the end, or when a signal asks every rank to stop
             stop, finished = ckpt.stop_requested(), state.step >= cfg.max_steps
             if stop or ckpt.should_save(state.step) or (finished and cfg.save_steps > 0):
@@ -411,6 +409,8 @@ def train(run: Run, state: LoopState) -> tuple[list[dict], bool]:
             if stop or finished:
                 logger.close()
                 return records, stop and not finished
+            # an evaluation's time (eval/time_s) and a checkpoint's are their own, not the next step's
+            last, last_cpu = time.perf_counter(), time.process_time()
             if skip_rest:
                 break
         state.next_rollout()

@@ -383,6 +383,32 @@ def test_real_vs_trl_smoke(tmp_path):
     again = json.loads((tmp_path / "real_vs_trl.json").read_text())
     assert again["runs"] == json.loads(first)["runs"] and again["verdicts"] == json.loads(first)["verdicts"]
 
+    # A run cut off (the end of a working session) after its first snapshot, its folder holding checkpoints up to
+    # step 2 of mu = 2's 4: the next invocation resumes it from its last checkpoint, and it trains to the same
+    # snapshot accuracies and the same step records as it did uninterrupted.
+    import shutil
+
+    run_dir = tmp_path / "work" / "A" / "ours_mu2-seed0"
+    for ckpt in (run_dir / "ours" / "checkpoints").glob("step-*"):
+        if int(ckpt.name.split("-")[1]) > 2:
+            shutil.rmtree(ckpt)
+    listed = run_dir / "snapshots" / "snapshots.json"
+    listed.write_text(json.dumps([t for t in json.loads(listed.read_text()) if t["rollouts"] == 1]))
+    shutil.rmtree(run_dir / "snapshots" / "r2")
+    for f in (run_dir / "snapshots").glob("r2.*"):
+        f.unlink()
+    whole = json.loads(first)
+    cut = {**whole, "runs": [x for x in whole["runs"] if x["variant"] != "ours_mu2"]}
+    (tmp_path / "real_vs_trl.json").write_text(json.dumps(cut))
+    proc = bench(tmp_path, *args, timeout=1800)
+    assert "ours_mu2 seed 0 (resumed from its last checkpoint)" in proc.stderr, proc.stderr[-2000:]
+    before = next(x for x in whole["runs"] if x["variant"] == "ours_mu2")
+    after = next(x for x in written(tmp_path / "real_vs_trl.json")["runs"] if x["variant"] == "ours_mu2")
+    assert after["resumed"] == 1 and "resumed" not in before
+    for key in ("curve", "step_rollout", "step_pass", "step_kl", "step_clip", "step_entropy", "rollout_accuracy",
+                "rollout_length", "final_right"):
+        assert after[key] == before[key], key
+
 
 def synthetic_run(variant, seed, accuracies, points=(8, 16), mu=1, step_s=10.0, gen_s=4.0):
     """A run record as bench/real_vs_trl.py keeps it, with a curve through `accuracies` (untrained first)."""
