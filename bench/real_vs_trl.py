@@ -28,7 +28,8 @@ chose, after which nothing changes):
    median over seeds, as a ratio to ours_mu1, and the speed-up on each clock); drift per pass (KL, clipping,
    entropy) beside the accuracy each pass bought.
 
-Runs are kept in the results file as they finish: a later invocation continues where one stopped.
+Runs are kept in the results file as they finish: a later invocation continues where one stopped, and a recipe run
+cut off midway resumes from its last checkpoint (every 16 steps; a resume repeats training bit for bit).
 """
 from __future__ import annotations
 
