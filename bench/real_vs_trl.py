@@ -29,7 +29,7 @@ chose, after which nothing changes):
    entropy) beside the accuracy each pass bought.
 
 Runs are kept in the results file as they finish: a later invocation continues where one stopped, and a recipe run
-cut off midway resumes from its last checkpoint (every 16 steps; a resume repeats training bit for bit).
+cut off midway resumes from its last checkpoint (saved every SAVE_STEPS steps; a resume repeats training bit for bit).
 """
 from __future__ import annotations
 
