@@ -78,7 +78,7 @@ SMOKE = {"hyper": {"max_completion_length": 8, "num_generations": 4, "per_device
          "budget": 2, "points": (1, 2), "eval_n": 6, "eval_max_new_tokens": 8, "pilot_seeds": (0,), "seeds": (0,),
          "settings": {"A": {}}, "variants": ("trl_mu1", "ours_mu1", "ours_mu2"),
          "gate_gain": -1.0,  # the smoke's pilots always pass: the comparison stage runs too (no claim)
-         "save": (1, 0)}  # every step's checkpoint kept: the test cuts a run back to one and resumes it
+         "save": (2, 0)}  # every checkpoint kept (steps 2 and 4 of mu = 2's): the test cuts a run back to one
 GOALS = {"parity": "ours_mu1 and trl_mu1 learn alike (paired difference of mean held-out accuracy within the "
                    "spread between seeds)",
          "reuse": "ours_mu2 or ours_auto_g80 reaches the target in <= 0.6x ours_mu1's rollouts (median over seeds) "
@@ -198,12 +198,15 @@ def one_run(variant: str, seed: int, setting: str, ctx: dict) -> dict:
             for f in ctx["model"].glob("tokenizer*"):
                 if snap.is_dir() and not (snap / f.name).exists():
                     subprocess.run(["cp", str(f), str(snap / f.name)], check=True)
+    if ctx["save"][1]:  # trained to its budget: its last checkpoint (1.6 GB) can no longer serve a resume
+        subprocess.run(["rm", "-rf", str(run_dir / "ours" / "checkpoints")], check=True)
     taken = json.loads((snaps / "snapshots.json").read_text())
     logs = read_ours(run_dir / "ours") if impl == "ours" else read_trl(run_dir / "trl")
     curve = [{"rollouts": 0, "step": 0, **{k: ctx["untrained"][k] for k in ("accuracy", "correct", "n")}}]
     for t in taken:
         r = evaluate(snaps / f"r{t['rollouts']}", ctx["data"] / "eval.jsonl", ctx["eval_n"],
                      ctx["eval_max_new_tokens"], snaps / f"r{t['rollouts']}.eval.json")
+        subprocess.run(["rm", "-rf", str(snaps / f"r{t['rollouts']}")], check=True)  # evaluated: 0.5 GB less
         curve.append({"rollouts": t["rollouts"], "step": t["step"], "accuracy": r["accuracy"], "correct": r["correct"],
                       "n": r["n"], "mean_completion_chars": round(r["mean_completion_chars"], 1)})
         final_right = r["right"]

@@ -207,8 +207,12 @@ def launch(cmd: list[str], env: dict, log: Path, timeout: float) -> float:
         except subprocess.TimeoutExpired:
             rc = "timeout"
     if rc != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-        sys.exit(f"vs_trl: run failed ({rc}): {' '.join(cmd)}\n--- last lines of {log} ---\n{tail}")
+        lines = log.read_text(errors="replace").splitlines()
+        # a rank's own error line, above torchrun's summary that names no cause
+        cause = [x for x in lines if ("Error" in x or "error:" in x) and "ChildFailedError" not in x
+                 and "torch/distributed" not in x][:6]
+        sys.exit(f"vs_trl: run failed ({rc}): {' '.join(cmd)}\n--- error lines of {log} ---\n" + "\n".join(cause)
+                 + f"\n--- last lines ---\n" + "\n".join(lines[-25:]))
     return time.perf_counter() - t0
 
 
