@@ -212,7 +212,7 @@ def launch(cmd: list[str], env: dict, log: Path, timeout: float) -> float:
         cause = [x for x in lines if ("Error" in x or "error:" in x) and "ChildFailedError" not in x
                  and "torch/distributed" not in x][:6]
         sys.exit(f"vs_trl: run failed ({rc}): {' '.join(cmd)}\n--- error lines of {log} ---\n" + "\n".join(cause)
-                 + f"\n--- last lines ---\n" + "\n".join(lines[-25:]))
+                 + "\n--- last lines ---\n" + "\n".join(lines[-25:]))
     return time.perf_counter() - t0
 
 
