@@ -10,6 +10,7 @@ folder. A figure stated in prose outside a block belongs in one.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 import statistics
@@ -456,6 +457,36 @@ def smollm2_training(results: Path) -> str:
 def real_vs_trl_untrained(results: Path) -> str:
     """bench/README.md: the untrained model's greedy accuracy on real_vs_trl's held-out questions."""
     return f"{_load(results, 'real_vs_trl.json')['untrained']['accuracy']:.3f}"
+
+
+def real_vs_trl_first_replay(results: Path) -> str:
+    """docs/findings-reuse-default.md: what `auto` did on the real model: its passes, the drift its replays ran
+    at against the bound the rule holds them to (g x reuse_max_kl, the code's default), what a replay was worth."""
+    from grpo_recipe.config.schema import Config
+
+    r = _load(results, "real_vs_trl.json")
+    runs = [x for x in r["runs"] if x["variant"] == "ours_auto_g80"]
+    if not runs:
+        return "(no ours_auto_g80 run yet)"
+    g = r["design"]["auto"]["reuse_generation_share"]
+    bound = g * Config().reuse_max_kl
+    per_rollout = [collections.Counter(x["step_rollout"]) for x in runs]
+    rollouts = sum(len(c) for c in per_rollout)
+    second = sum(sum(1 for n in c.values() if n >= 2) for c in per_rollout)
+    third = sum(sum(1 for n in c.values() if n >= 3) for c in per_rollout)
+    replay_kl = [k for x in runs for k, p in zip(x["step_kl"], x["step_pass"]) if p == 1]
+    mean_kl = statistics.fmean(replay_kl) if replay_kl else float("nan")
+    above = sum(k > bound for k in replay_kl)
+    v = r["verdicts"]
+    mu2 = v["per_pass"].get("ours_mu2", {}).get("1", {}).get("approx_kl")
+    worth = v["replay_worth"]
+    seeds = f"{len(runs)} seed{'s' * (len(runs) != 1)}" + ("" if r["complete"] else ", the study still running")
+    return (f"Over {seeds} (`bench/results/real_vs_trl.json`), `auto` at g = {g} took a second pass on {second} of "
+            f"{rollouts} rollouts and a third on {third or 'none'}. {above} of its {len(replay_kl)} replays ran above the "
+            f"bound g x `reuse_max_kl` = {bound:.2g}, at KL {mean_kl:.3f} on average ({mean_kl / bound:.0f}x the "
+            f"bound" + (f"; ours_mu2's replays: {mu2:.3f}" if mu2 is not None else "") + "). By the model w a replay "
+            "was worth " + ", ".join(f"{w['worth']:+.2f} ({name})" for name, w in worth.items()) +
+            " of a fresh pass")
 
 
 # bench/README.md's result tables, one function a table, in the page's order.
@@ -983,7 +1014,7 @@ BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "scale-throughput": scale_throughput, "scale-same-update": scale_same_update,
           "scale-positions": scale_positions, "whole-run-per-layer": whole_run_per_layer,
           "old-logp-per-rank": old_logp_per_rank, "smollm2-training": smollm2_training,
-          "real-vs-trl-untrained": real_vs_trl_untrained,
+          "real-vs-trl-untrained": real_vs_trl_untrained, "real-vs-trl-first-replay": real_vs_trl_first_replay,
           "mu-sweep-table": mu_sweep_table, "regimes-table": regimes_table,
           "regimes-verdict-table": regimes_verdict_table, "vs-trl-table": vs_trl_table,
           "vs-trl-phases-table": vs_trl_phases_table, "breakdown-table": breakdown_table,
