@@ -482,8 +482,8 @@ def real_vs_trl_first_replay(results: Path) -> str:
     worth = v["replay_worth"]
     seeds = f"{len(runs)} seed{'s' * (len(runs) != 1)}" + ("" if r["complete"] else ", the study still running")
     return (f"Over {seeds} (`bench/results/real_vs_trl.json`), `auto` at g = {g} took a second pass on {second} of "
-            f"{rollouts} rollouts and a third on {third or 'none'}. {above} of its {len(replay_kl)} replays ran above the "
-            f"bound g x `reuse_max_kl` = {bound:.2g}, at KL {mean_kl:.3f} on average ({mean_kl / bound:.0f}x the "
+            f"{rollouts} rollouts and a third on {third or 'none'}. {above} of its {len(replay_kl)} replays ran above "
+            f"the bound g x `reuse_max_kl` = {bound:.2g}, at KL {mean_kl:.3f} on average ({mean_kl / bound:.0f}x the "
             f"bound" + (f"; ours_mu2's replays: {mu2:.3f}" if mu2 is not None else "") + "). By the model w a replay "
             "was worth " + ", ".join(f"{w['worth']:+.2f} ({name})" for name, w in worth.items()) +
             " of a fresh pass")
