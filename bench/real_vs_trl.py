@@ -533,7 +533,10 @@ def bought(r: dict, f, findings: str) -> list[str]:
     best = max(worth, key=lambda k: worth[k]["worth"])
     share = worth[best]["pays_above_share"]
     default = Config().num_iterations
-    when = (f"here the best replay variant, {best}, is worth {f(worth[best]['worth'], '+.2f')}, so at no share"
+    ws = sorted(x["worth"] for x in worth.values())
+    when = (f"here every replay variant's replays are worth less than nothing (w from {f(ws[0], '+.2f')} to "
+            f"{f(ws[-1], '+.2f')}), so at no share" if ws[-1] < 0
+            else f"here the best replay variant, {best}, is worth {f(worth[best]['worth'], '+.2f')}, so at no share"
             if share is None else f"here {best}'s replays pay at any share" if share == 0
             else f"here {best}'s replays pay above g = {f(share, '.2f')}")
     when += "" if r["complete"] else " (so far)"
