@@ -533,10 +533,9 @@ def bought(r: dict, f, findings: str) -> list[str]:
     best = max(worth, key=lambda k: worth[k]["worth"])
     share = worth[best]["pays_above_share"]
     default = Config().num_iterations
-    ws = sorted(x["worth"] for x in worth.values())
-    when = (f"here every replay variant's replays are worth less than nothing (w from {f(ws[0], '+.2f')} to "
-            f"{f(ws[-1], '+.2f')}), so at no share" if ws[-1] < 0
-            else f"here the best replay variant, {best}, is worth {f(worth[best]['worth'], '+.2f')}, so at no share"
+    when = ("here every replay variant's replays are worth less than nothing (" + ", ".join(
+                f"{name} {f(x['worth'], '+.2f')}" for name, x in worth.items()) + "), so at no share"
+            if all(x["worth"] < 0 for x in worth.values()) else f"here the best replay variant, {best}, is worth {f(worth[best]['worth'], '+.2f')}, so at no share"
             if share is None else f"here {best}'s replays pay at any share" if share == 0
             else f"here {best}'s replays pay above g = {f(share, '.2f')}")
     when += "" if r["complete"] else " (so far)"

@@ -453,18 +453,26 @@ def test_real_vs_trl_verdicts_follow_their_declared_rules():
     assert worth["pays_above_share"] == 0.0 and "ours_mu1" not in v["replay_worth"]
     assert v["mean_accuracy"] == pytest.approx({"ours_mu1": 0.425, "ours_mu2": 0.51, "trl_mu1": 0.425})
     fmt = lambda x, spec=".3f": format(x, spec)  # noqa: E731
-    assert "here ours_mu2's replays pay at any share" in bought({"verdicts": v, "complete": True}, fmt)[1]
+    assert "here ours_mu2's replays pay at any share" in bought({"verdicts": v, "complete": True}, fmt, "f.md")[1]
     # the target (0.45) at 8 rollouts: R = 8 / to_mu1 = 0.6, w = 2/3, pays above g = 1/3
     mid = verdicts([*runs[:3], *(synthetic_run("ours_mu2", s, [0.3, 0.45, 0.52], mu=2) for s in (0, 1, 2))], 16)
     assert abs(mid["replay_worth"]["ours_mu2"]["pays_above_share"] - 1 / 3) < 1e-9
-    text = "\n".join(bought({"verdicts": mid, "complete": True}, fmt))
+    text = "\n".join(bought({"verdicts": mid, "complete": True}, fmt, "f.md"))
     assert "ours_mu2 (2.00 passes a rollout): a replay worth +0.67 of a fresh pass, run at KL 0.010" in text
     assert "here ours_mu2's replays pay above g = 0.33. The shipped default is num_iterations: 1" in text
-    # R > 1: replays set learning back, they pay at no share
-    worse = verdicts([*runs[:3], *(synthetic_run("ours_mu2", s, [0.3, 0.3, 0.46], mu=2) for s in (0, 1, 2))], 16)
+    # R > 1: replays set learning back, they pay at no share; auto's replays, at KL 0.01 each, ran at 0.01 /
+    # (0.8 x reuse_max_kl) of the drift its rule allows
+    worse = verdicts([*runs[:3], *(synthetic_run(name, s, [0.3, 0.3, 0.46], mu=2) for s in (0, 1, 2)
+                                   for name in ("ours_mu2", "ours_auto_g80"))], 16)
     assert worse["replay_worth"]["ours_mu2"]["pays_above_share"] is None
     w = to_mu1 / (8 + 8 * 0.15 / 0.16) - 1  # -0.14
-    assert f"is worth {w:+.2f}, so at no share (so far)" in bought({"verdicts": worse, "complete": False}, fmt)[1]
+    text = bought({"verdicts": worse, "complete": False, "design": {"auto": {"reuse_generation_share": 0.8}}}, fmt,
+                  "f.md")
+    assert (f"every replay variant's replays are worth less than nothing (ours_mu2 {w:+.2f}, ours_auto_g80 "
+            f"{w:+.2f}), so at no share (so far)") in text[1]
+    from grpo_recipe.config.schema import Config
+    assert (f"its replays ran at KL 0.010, {0.01 / (0.8 * Config().reuse_max_kl):.0f}x the drift its rule allows at "
+            "g = 0.8") in text[2] and "([findings](f.md#known-limits))" in text[2]
     # ours_mu1's mean over the points is 0.425 on every seed, trl_mu1's 0.42 / 0.425 / 0.43: a difference of 0,
     # within the spread between trl_mu1's seeds (0.005)
     assert v["parity"]["paired_seeds"] == [0, 1, 2] and abs(v["parity"]["mean_accuracy_difference"]) < 1e-9
