@@ -10,7 +10,7 @@ The design, declared before the runs:
   and a Qwen2.5-0.5B-shaped model (random weights, 151k vocabulary, bench/measure.py) with SmolLM2's tokenizer
   and chat template (a random model rarely ends at EOS: its completions run to the cap).
 - The same work on every side: 2 CPU ranks, GSM8K-shaped questions (grpo_recipe/assets) through the model's chat
-  template, 8 completions per prompt, 2 prompts per rank per rollout, completions up to 256 tokens ending at EOS,
+  template, 8 completions per prompt, 1 prompt per rank per rollout, completions up to 256 tokens ending at EOS,
   transformers' generate, one optimizer step per pass, mu = 1 and 4, at least 20 optimizer steps after the first
   rollout (warm-up, not timed), 2 repetitions, the sides alternating (ours, TRL, floor, ours, ...) so that load
   drift hits all. ZeRO-3 on the recipe and TRL (bench/vs_trl.py's fairness rules, which the JSON repeats).
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "bench"))
 SIDES = ("ours", "trl", "floor")
 SHAPES = ("smollm2", "qwen05b")
 RUN = {"max_completion_length": 256, "max_prompt_length": 256, "num_generations": 8,
-       "per_device_train_batch_size": 16, "gradient_accumulation_steps": 1, "optimizer_steps_per_pass": 1,
+       "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "optimizer_steps_per_pass": 1,
        "learning_rate": 1e-30, "temperature": 1.0, "beta": 0.0, "loss_type": "dapo",
        "logging_steps": 1, "save_steps": 0, "disable_tqdm": True, "reward_funcs": ["length"],
        "prompt_column": "prompt", "max_grad_norm": 1.0}
