@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default=None, help="run folders (default output/vs_trl_real, or _smoke)")
     p.add_argument("--fresh", action="store_true", help="measure the shapes asked again instead of keeping their "
                                                         "finished runs from the results file")
+    p.add_argument("--reread", action="store_true", help="measure nothing: read each kept run's figures again "
+                                                          "from its logs in the work folder (after a fix to a reader)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds before one run is killed")
     return p.parse_args(argv)
 
@@ -302,10 +304,19 @@ def main(argv=None) -> int:
             for mu in mus:
                 spr = mu * cfg.optimizer_steps_per_pass
                 steps = steps_for(timed + spr, spr)
+                # completions each optimizer step trains on (both ranks): a pass is the whole rollout
+                per_step = cfg.completions_per_rollout * 2 // cfg.optimizer_steps_per_pass
                 for side in SIDES:
-                    if (shape, side, mu, rep) in done:
-                        continue
                     run_dir = work / shape / f"mu{mu}-rep{rep}"
+                    if (shape, side, mu, rep) in done:
+                        if args.reread and (run_dir / side).is_dir():  # the kept run's figures from its own logs
+                            record = next(r for r in result["runs"] if (r["shape"], r["side"], r["mu"], r["rep"])
+                                          == (shape, side, mu, rep))
+                            record.update(read_side(side, run_dir, spr, per_step),
+                                          reread_at=CODE_AT_START.get("commit"))
+                        continue
+                    if args.reread:
+                        continue
                     shutil.rmtree(run_dir / side, ignore_errors=True)
                     run_dir.mkdir(parents=True, exist_ok=True)
                     cmd = side_command(side, model, prompts, run, mu, steps, run_dir, ds_file)
@@ -316,7 +327,7 @@ def main(argv=None) -> int:
                     if peaks["exit_code"] != 0:
                         tail = "\n".join((run_dir / f"{side}.log").read_text(errors="replace").splitlines()[-25:])
                         sys.exit(f"vs_trl_real: {shape} {side} mu {mu} failed ({peaks['exit_code']}):\n{tail}")
-                    parsed = read_side(side, run_dir, spr, cfg.completions_per_rollout * 2 // spr)
+                    parsed = read_side(side, run_dir, spr, per_step)
                     result["runs"].append({"shape": shape, "model": model.name, "side": side, "mu": mu, "rep": rep,
                                            "max_steps": steps, "load_1m": [load, os.getloadavg()[0]],
                                            "commit": CODE_AT_START.get("commit"),

@@ -177,6 +177,24 @@ def test_every_results_file_says_who_wrote_it():
 
 
 
+def test_vs_trl_real_summary_follows_from_its_runs_and_the_sides_train_alike():
+    """vs_trl_real.json's per-shape ratios are its runs' under the current summarizing code, and every side of a
+    (shape, mu, repetition) trains on about the same completion tokens per optimizer step: one fixed policy samples
+    them all (a reader that miscounts one side's tokens shows here)."""
+    from vs_trl_real import summarize
+
+    r = load("vs_trl_real.json")
+    assert not r["smoke"]
+    shapes = {shape: s for shape in dict.fromkeys(x["shape"] for x in r["runs"])
+              if (s := summarize(r["runs"], shape)) is not None}
+    assert close(as_json(shapes), r["shapes"])
+    ours = {(x["shape"], x["mu"], x["rep"]): x["train_tokens_per_step"] for x in r["runs"] if x["side"] == "ours"}
+    for x in r["runs"]:
+        key = (x["shape"], x["mu"], x["rep"])
+        if x["side"] != "ours" and key in ours:
+            assert 0.75 < x["train_tokens_per_step"] / ours[key] < 1.33, (x["side"], key)
+
+
 def test_real_vs_trl_selection_verdicts_and_docs_follow_from_its_runs():
     """The gate of every pilot, the chosen setting and the verdicts follow from the committed runs by the declared
     rules; README's and bench/README's sections are `real_vs_trl.py --docs` of the committed file."""
