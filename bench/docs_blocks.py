@@ -469,6 +469,23 @@ def real_vs_trl_untrained(results: Path) -> str:
     return f"{_load(results, 'real_vs_trl.json')['untrained']['accuracy']:.3f}"
 
 
+def vs_trl_real_kept(results: Path) -> str:
+    """bench/README.md: how far the real-shape comparison has got, and its ratios so far."""
+    r = _load(results, "vs_trl_real.json")
+    total = len(r["runs"]) + len(r["runs_to_go"])
+    parts = []
+    for shape, s in r["shapes"].items():
+        for mu, entry in s["by_mu"].items():
+            parts.append(f"{shape} at mu = {mu} ({len(entry['reps'])} repetition{'s' * (len(entry['reps']) != 1)}"
+                         f"): ours / TRL {entry['ours_over_trl']:.2f} s per optimizer step, ours / floor "
+                         f"{entry['ours_over_floor']:.2f}")
+        parts[-1] += f"; peak private memory per rank ours / TRL {s['peak_rss_ratio']:.2f}"
+    state = "complete" if r["complete"] else f"interim, {len(r['runs'])} of {total} runs kept"
+    if not parts:
+        return f"No run kept yet (0 of {total})"
+    return f"So far ({state}): " + "; ".join(parts) + ". The goals: " + "; ".join(r["goals"].values())
+
+
 def real_vs_trl_first_replay(results: Path) -> str:
     """docs/findings-reuse-default.md: what `auto` did on the real model: its passes, the drift its replays ran
     at against the bound the rule holds them to (g x reuse_max_kl, the code's default), what a replay was worth."""
@@ -1025,7 +1042,7 @@ BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "scale-throughput": scale_throughput, "scale-same-update": scale_same_update,
           "scale-positions": scale_positions, "whole-run-per-layer": whole_run_per_layer,
           "old-logp-per-rank": old_logp_per_rank, "smollm2-training": smollm2_training,
-          "real-vs-trl-untrained": real_vs_trl_untrained, "real-vs-trl-first-replay": real_vs_trl_first_replay,
+          "real-vs-trl-untrained": real_vs_trl_untrained, "vs-trl-real-kept": vs_trl_real_kept, "real-vs-trl-first-replay": real_vs_trl_first_replay,
           "mu-sweep-table": mu_sweep_table, "regimes-table": regimes_table,
           "regimes-verdict-table": regimes_verdict_table, "vs-trl-table": vs_trl_table,
           "vs-trl-phases-table": vs_trl_phases_table, "breakdown-table": breakdown_table,

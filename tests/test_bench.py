@@ -281,6 +281,12 @@ def test_vs_trl_real_smoke(tmp_path):
     again = written(tmp_path / "vs_trl_real.json")
     assert "mu 1 floor" in proc.stderr and "mu 1 ours" not in proc.stderr and "mu 1 trl" not in proc.stderr
     assert again["runs"][:2] == kept and again["runs"][2]["side"] == "floor" and again["complete"]
+    # --reread measures nothing: each kept run's figures come again from its logs, the same under the same readers
+    proc = bench(tmp_path, "vs_trl_real.py", "--smoke", "--reread", "--out", str(tmp_path), "--workdir",
+                 str(tmp_path / "w"), timeout=300)
+    reread = written(tmp_path / "vs_trl_real.json")
+    assert "mu 1" not in proc.stderr and all(x.pop("reread_at") for x in reread["runs"])
+    assert reread["runs"] == again["runs"] and reread["shapes"] == again["shapes"]
 
 
 @pytest.mark.slow
