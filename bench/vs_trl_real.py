@@ -210,6 +210,11 @@ def summarize(runs: list[dict], shape: str) -> dict | None:
     return out
 
 
+def summaries(runs: list[dict]) -> dict:
+    """Each shape's summary (`summarize`), for the shapes with a finished (ours, TRL, floor) set."""
+    return {shape: s for shape in dict.fromkeys(r["shape"] for r in runs) if (s := summarize(runs, shape)) is not None}
+
+
 def save(result: dict, out: Path, planned: list[tuple], t0: float) -> None:
     """The results file as it stands, after every run: a later invocation continues from it."""
     from common import save_json
@@ -217,8 +222,7 @@ def save(result: dict, out: Path, planned: list[tuple], t0: float) -> None:
     result["this_invocation_wall_s"] = time.perf_counter() - t0
     result["machine"]["load_average_at_end"] = os.getloadavg()
     done = {(r["shape"], r["side"], r["mu"], r["rep"]) for r in result["runs"]}
-    result["shapes"] = {shape: s for shape in dict.fromkeys(r["shape"] for r in result["runs"])
-                        if (s := summarize(result["runs"], shape)) is not None}
+    result["shapes"] = summaries(result["runs"])
     result["complete"] = all(k in done for k in planned)
     result["runs_to_go"] = [list(k) for k in planned if k not in done]
     save_json("vs_trl_real.json", result, out)
