@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from grpo_recipe.dist import allocator, signals
 
+if __name__ == "__main__":
+    allocator.restart_with_huge_pages()  # first: glibc reads its huge-page setting only at start-up
 signals.catch()  # before the heavy imports: a preemption during start-up is acted on, not lost
 allocator.configure()  # before anything is allocated: freed memory goes back to the system
 
