@@ -489,14 +489,13 @@ def vs_trl_real_kept(results: Path) -> str:
 def real_vs_trl_first_replay(results: Path) -> str:
     """docs/findings-reuse-default.md: what `auto` did on the real model: its passes, the drift its replays ran
     at against the bound the rule holds them to (g x reuse_max_kl, the code's default), what a replay was worth."""
-    from grpo_recipe.config.schema import Config
+    from real_vs_trl import auto_replay_drift
 
     r = _load(results, "real_vs_trl.json")
     runs = [x for x in r["runs"] if x["variant"] == "ours_auto_g80"]
-    if not runs:
-        return "(no ours_auto_g80 run yet)"
-    g = r["design"]["auto"]["reuse_generation_share"]
-    bound = g * Config().reuse_max_kl
+    if not runs or (drift := auto_replay_drift(r)) is None:
+        return "(no ours_auto_g80 replay yet)"
+    mean_kl, bound, g = drift
     per_rollout = [collections.Counter(x["step_rollout"]) for x in runs]
     rollouts = sum(len(c) for c in per_rollout)
     second = sum(sum(1 for n in c.values() if n >= 2) for c in per_rollout)
@@ -505,7 +504,6 @@ def real_vs_trl_first_replay(results: Path) -> str:
     above = sum(k > bound for k in replay_kl)
     v = r["verdicts"]
     # both means as the verdicts average a pass's drift, so auto's and mu2's are read alike
-    mean_kl = v["per_pass"]["ours_auto_g80"].get("1", {}).get("approx_kl", float("nan"))
     mu2 = v["per_pass"].get("ours_mu2", {}).get("1", {}).get("approx_kl")
     worth = v["replay_worth"]
     seeds = f"{len(runs)} seed{'s' * (len(runs) != 1)}" + ("" if r["complete"] else ", the study still running")

@@ -540,13 +540,12 @@ def bought(r: dict, f, findings: str) -> list[str]:
             else f"here {best}'s replays pay above g = {f(share, '.2f')}")
     when += "" if r["complete"] else " (so far)"
     auto = []
-    if "ours_auto_g80" in worth and "1" in v["per_pass"]["ours_auto_g80"]:
-        bound = r["design"]["auto"]["reuse_generation_share"] * Config().reuse_max_kl
-        kl = v["per_pass"]["ours_auto_g80"]["1"]["approx_kl"]
+    if "ours_auto_g80" in worth and (drift := auto_replay_drift(r)) is not None:
+        kl, bound, g = drift
         auto = [f"- What it means for `auto`: its replays ran at KL {f(kl)}, {kl / bound:.0f}x the drift its rule "
-                f"allows at g = {r['design']['auto']['reuse_generation_share']:g} (g x reuse_max_kl = {bound:.2g}): "
-                f"it declines every replay it can price, but a rollout's first replay it cannot (the first pass runs "
-                f"on-policy, at KL 0) and takes ([findings]({findings}#known-limits))."]
+                f"allows at g = {g:g} (g x reuse_max_kl = {bound:.2g}): it declines every replay it can price, but a "
+                f"rollout's first replay it cannot (the first pass runs on-policy, at KL 0) and takes "
+                f"([findings]({findings}#known-limits))."]
     return [f"- What a replay bought (a model: a variant with m passes a rollout that takes R x ours_mu1's rollouts "
             f"to the target has replays worth w = (1/R - 1)/(m - 1) of a fresh pass): " + "; ".join(parts)
             + f". Mean held-out accuracy over the evaluation points (median over seeds; the target counts a run's "
@@ -554,6 +553,18 @@ def bought(r: dict, f, findings: str) -> list[str]:
             f"- When to turn reuse on: where generation's share of a mu = 1 step, time_generate_s / (time_generate_s"
             f" + time_train_s) in the metrics, exceeds 1 - w for your model and learning rate; {when}. The shipped "
             f"default is num_iterations: {default}" + (", as in TRL." if default == 1 else ".")] + auto
+
+
+def auto_replay_drift(r: dict) -> tuple[float, float, float] | None:
+    """`auto`'s replays: their mean KL (the verdicts' per-pass mean), the bound its rule holds them to (g x
+    reuse_max_kl, the code's default) and g; None before it has a replay."""
+    from grpo_recipe.config.schema import Config
+
+    first = r["verdicts"]["per_pass"].get("ours_auto_g80", {}).get("1")
+    if first is None:
+        return None
+    g = r["design"]["auto"]["reuse_generation_share"]
+    return first["approx_kl"], g * Config().reuse_max_kl, g
 
 
 def write_docs(result: dict) -> list[Path]:
