@@ -53,3 +53,51 @@ def test_gpu_ranks_keep_glibcs_defaults(tmp_path):
     assert has_gpu({}, str(tmp_path)) and has_gpu({"CUDA_VISIBLE_DEVICES": "1,2"}, str(tmp_path))
     assert not has_gpu({"CUDA_VISIBLE_DEVICES": ""}, str(tmp_path))
     assert not has_gpu({"CUDA_VISIBLE_DEVICES": "-1"}, str(tmp_path))
+
+
+def starts(tmp_path, argv: list[str], **env) -> list[str]:
+    """GLIBC_TUNABLES as each interpreter start of `argv` saw it (a sitecustomize on the path records them)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nwith open(os.path.join(os.path.dirname(__file__), 'starts.txt'), 'a') as f:\n"
+        "    f.write(os.environ.get('GLIBC_TUNABLES', '-') + '\\n')\n")
+    run_env = rank_env(**env)
+    run_env["PYTHONPATH"] = f"{tmp_path}:{run_env.get('PYTHONPATH', '')}"
+    subprocess.run([sys.executable, *argv], cwd=REPO, env=run_env, capture_output=True, timeout=120, check=True)
+    return (tmp_path / "starts.txt").read_text().splitlines()
+
+
+def test_the_entry_point_restarts_once_with_huge_pages_where_the_kernel_offers_them(tmp_path):
+    from grpo_recipe.dist.allocator import HUGE_PAGES, huge_pages_env
+
+    seen = starts(tmp_path, ["-m", "grpo_recipe.train", "--help"])
+    if huge_pages_env(rank_env()) is None:  # no transparent huge pages here: nothing to restart for
+        assert seen == ["-"]
+    else:
+        assert seen == ["-", HUGE_PAGES]
+
+
+def test_huge_pages_are_used_after_the_restart_and_a_chosen_setting_is_kept(tmp_path):
+    from grpo_recipe.dist.allocator import huge_pages_env
+
+    code = ("from grpo_recipe.dist import allocator; allocator.restart_with_huge_pages(); allocator.configure()\n"
+            "import torch; x = torch.ones(16 << 20); x.add_(1)\n"
+            "print(next(l for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')).split()[1])")
+    if huge_pages_env(rank_env()) is not None:
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=rank_env(), capture_output=True, text=True,
+                             timeout=120, check=True).stdout.split()
+        assert int(out[-1]) > 0, out  # kB in huge pages: the 64 MiB tensor's mapping got them
+    seen = starts(tmp_path, ["-c", code], GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
+    assert seen == ["glibc.malloc.hugetlb=0"]  # a user's choice: no restart
+
+
+def test_huge_pages_env_adds_to_other_tunables_and_skips_what_cannot_use_it(tmp_path):
+    from grpo_recipe.dist.allocator import HUGE_PAGES, huge_pages_env
+
+    madvise, never = tmp_path / "madvise", tmp_path / "never"
+    madvise.write_text("always [madvise] never\n")
+    never.write_text("always madvise [never]\n")
+    assert huge_pages_env({}, str(madvise))["GLIBC_TUNABLES"] == HUGE_PAGES
+    assert huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, str(madvise))["GLIBC_TUNABLES"] == \
+        f"glibc.malloc.arena_max=2:{HUGE_PAGES}"
+    assert huge_pages_env({}, str(never)) is None
+    assert huge_pages_env({}, str(tmp_path / "absent")) is None
