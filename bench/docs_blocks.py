@@ -476,9 +476,12 @@ def vs_trl_real_kept(results: Path) -> str:
     parts = []
     for shape, s in r["shapes"].items():
         for mu, entry in s["by_mu"].items():
+            trl_floor = entry["trl"]["sec_per_step"] / entry["floor"]["sec_per_step"]
             parts.append(f"{shape} at mu = {mu} ({len(entry['reps'])} repetition{'s' * (len(entry['reps']) != 1)}"
                          f"): ours / TRL {entry['ours_over_trl']:.2f} s per optimizer step, ours / floor "
-                         f"{entry['ours_over_floor']:.2f}")
+                         f"{entry['ours_over_floor']:.2f}, TRL / floor {trl_floor:.2f}"
+                         + (f" (so 0.75 x TRL is {0.75 * trl_floor:.2f} x the floor)" if 0.75 * trl_floor < 1.05
+                            else ""))
         parts[-1] += f"; peak private memory per rank ours / TRL {s['peak_rss_ratio']:.2f}"
     state = "complete" if r["complete"] else f"interim, {len(r['runs'])} of {total} runs kept"
     if not parts:
