@@ -273,14 +273,16 @@ def test_vs_trl_real_smoke(tmp_path):
     assert {(x["side"], len(x["peak_bytes"])) for x in r["runs"]} == {("ours", 2), ("trl", 2), ("floor", 2)}
     assert r["complete"] and r["runs_to_go"] == []
     assert_plot(tmp_path / "vs_trl_real.png", 660, 440)
-    # a later invocation keeps the finished runs and measures only what is missing (the study spans sessions)
+    # a later invocation keeps the finished runs and measures only what is missing (the study spans sessions),
+    # and the sides --remeasure names (after a change to them)
     kept = [x for x in r["runs"] if x["side"] != "floor"]
     (tmp_path / "vs_trl_real.json").write_text(json.dumps({**r, "runs": kept}))
-    proc = bench(tmp_path, "vs_trl_real.py", "--smoke", "--out", str(tmp_path), "--workdir", str(tmp_path / "w"),
-                 timeout=900)
+    proc = bench(tmp_path, "vs_trl_real.py", "--smoke", "--remeasure", "trl", "--out", str(tmp_path), "--workdir",
+                 str(tmp_path / "w"), timeout=900)
     again = written(tmp_path / "vs_trl_real.json")
-    assert "mu 1 floor" in proc.stderr and "mu 1 ours" not in proc.stderr and "mu 1 trl" not in proc.stderr
-    assert again["runs"][:2] == kept and again["runs"][2]["side"] == "floor" and again["complete"]
+    assert "mu 1 floor" in proc.stderr and "mu 1 trl" in proc.stderr and "mu 1 ours" not in proc.stderr
+    assert again["runs"][0] == kept[0] and [x["side"] for x in again["runs"]] == ["ours", "trl", "floor"]
+    assert again["runs"][1] != kept[1] and again["complete"]
     # --reread measures nothing: each kept run's figures come again from its logs, the same under the same readers
     proc = bench(tmp_path, "vs_trl_real.py", "--smoke", "--reread", "--out", str(tmp_path), "--workdir",
                  str(tmp_path / "w"), timeout=300)
