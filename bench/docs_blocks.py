@@ -471,16 +471,18 @@ def real_vs_trl_untrained(results: Path) -> str:
 
 def vs_trl_real_kept(results: Path) -> str:
     """bench/README.md: how far the real-shape comparison has got, and its ratios so far."""
+    from vs_trl_real import STEP_TIME_GOALS
+
     r = _load(results, "vs_trl_real.json")
     total = len(r["runs"]) + len(r["runs_to_go"])
     parts = []
     for shape, s in r["shapes"].items():
         for mu, entry in s["by_mu"].items():
-            trl_floor = entry["trl"]["sec_per_step"] / entry["floor"]["sec_per_step"]
+            trl_floor, goal = entry["trl"]["sec_per_step"] / entry["floor"]["sec_per_step"], STEP_TIME_GOALS[shape]
             parts.append(f"{shape} at mu = {mu} ({len(entry['reps'])} repetition{'s' * (len(entry['reps']) != 1)}"
                          f"): ours / TRL {entry['ours_over_trl']:.2f} s per optimizer step, ours / floor "
                          f"{entry['ours_over_floor']:.2f}, TRL / floor {trl_floor:.2f}"
-                         + (f" (so 0.75 x TRL is {0.75 * trl_floor:.2f} x the floor)" if 0.75 * trl_floor < 1.05
+                         + (f" (so {goal:g} x TRL is {goal * trl_floor:.2f} x the floor)" if goal * trl_floor < 1.05
                             else ""))
         parts[-1] += f"; peak private memory per rank ours / TRL {s['peak_rss_ratio']:.2f}"
     state = "complete" if r["complete"] else f"interim, {len(r['runs'])} of {total} runs kept"
@@ -1043,7 +1045,8 @@ BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "scale-throughput": scale_throughput, "scale-same-update": scale_same_update,
           "scale-positions": scale_positions, "whole-run-per-layer": whole_run_per_layer,
           "old-logp-per-rank": old_logp_per_rank, "smollm2-training": smollm2_training,
-          "real-vs-trl-untrained": real_vs_trl_untrained, "vs-trl-real-kept": vs_trl_real_kept, "real-vs-trl-first-replay": real_vs_trl_first_replay,
+          "real-vs-trl-untrained": real_vs_trl_untrained, "vs-trl-real-kept": vs_trl_real_kept,
+          "real-vs-trl-first-replay": real_vs_trl_first_replay,
           "mu-sweep-table": mu_sweep_table, "regimes-table": regimes_table,
           "regimes-verdict-table": regimes_verdict_table, "vs-trl-table": vs_trl_table,
           "vs-trl-phases-table": vs_trl_phases_table, "breakdown-table": breakdown_table,
