@@ -66,14 +66,20 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one short run per side (CI)")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     p.add_argument("--workdir", default=None, help="run folders (default output/vs_trl_real, or _smoke)")
-    p.add_argument("--fresh", action="store_true", help="measure the shapes asked again instead of keeping their "
-                                                        "finished runs from the results file")
+    p.add_argument("--fresh", action="store_true", help="measure the shapes (and mus) asked again instead of "
+                                                        "keeping their finished runs from the results file")
     p.add_argument("--remeasure", nargs="+", choices=SIDES, default=[], help="measure these sides of the shapes "
-                                                                             "asked again (after a change to them)")
+                                                                             "and mus asked again (after a change)")
     p.add_argument("--reread", action="store_true", help="measure nothing: read each kept run's figures again "
                                                           "from its logs in the work folder (after a fix to a reader)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds before one run is killed")
     return p.parse_args(argv)
+
+
+def kept_runs(runs: list[dict], shapes, mus, fresh: bool, remeasure) -> list[dict]:
+    """The finished runs a new invocation keeps: all but those of the shapes and mus asked that `--fresh` (every
+    side) or `--remeasure` (the sides named) measures again."""
+    return [r for r in runs if not (r["shape"] in shapes and r["mu"] in mus and (fresh or r["side"] in remeasure))]
 
 
 def shape_folder(shape: str, work: Path) -> Path:
@@ -289,8 +295,7 @@ def main(argv=None) -> int:
     previous = json.loads((out / "vs_trl_real.json").read_text()) if (out / "vs_trl_real.json").is_file() else {}
     # finished runs are kept while the design is the same: the study spans sessions (hours per shape on 2 cores)
     same = (previous.get("run"), previous.get("timed_steps"), previous.get("smoke")) == (run, timed, args.smoke)
-    kept = [r for r in previous.get("runs", []) if same and not (r["shape"] in shapes and (args.fresh or r["side"]
-                                                                                          in args.remeasure))]
+    kept = kept_runs(previous.get("runs", []) if same else [], shapes, mus, args.fresh, args.remeasure)
     planned = [(shape, side, mu, rep) for shape in (shapes if args.smoke else SHAPES)
                for rep in range(reps if args.smoke else REPS) for mu in (mus if args.smoke else MUS) for side in SIDES]
     result = {"benchmark": "vs_trl_real", "goals": GOALS, "design": __doc__.split("The design, declared before the "

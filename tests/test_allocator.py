@@ -101,3 +101,43 @@ def test_huge_pages_env_adds_to_other_tunables_and_skips_what_cannot_use_it(tmp_
         f"glibc.malloc.arena_max=2:{HUGE_PAGES}"
     assert huge_pages_env({}, str(never)) is None
     assert huge_pages_env({}, str(tmp_path / "absent")) is None
+
+
+REUSE = """
+import resource, sys
+from grpo_recipe.dist import allocator
+allocator.configure()
+import torch
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon:")).split()[1]) << 10
+def faults_of_a_round():  # what a decode step does: the same sizes allocated, written and freed again
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [torch.ones(512 << 10) for _ in range(150)]  # 150 blocks of 2 MiB
+    del blocks
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+before = rss()
+with allocator.reusing_heap():
+    first, second = faults_of_a_round(), faults_of_a_round()
+print(first, second, (rss() - before) >> 20, faults_of_a_round())
+"""
+
+
+def reuse_round(**env) -> list[int]:
+    proc = subprocess.run([sys.executable, "-c", REUSE], cwd=REPO, capture_output=True, text=True,
+                          env=rank_env(**env), timeout=120, check=True)
+    return [int(x) for x in proc.stdout.split()]
+
+
+def test_the_heap_is_reused_within_the_scope_and_given_back_after():
+    """Generation's decode steps allocate the same sizes again and again: within `reusing_heap` the second round
+    finds its pages already there; after it the memory is back with the system, and the fixed threshold maps
+    afresh again."""
+    first, second, kept_mib, after = reuse_round()
+    assert second < 0.1 * first, (first, second)
+    assert kept_mib < 50, kept_mib
+    assert after > 0.5 * first, (first, after)
+
+
+def test_the_scope_leaves_a_threshold_the_environment_chose_alone():
+    first, second, _, _ = reuse_round(MALLOC_MMAP_THRESHOLD_="1048576")
+    assert second > 0.5 * first, (first, second)  # configure stepped aside: every round maps afresh

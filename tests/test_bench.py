@@ -291,6 +291,18 @@ def test_vs_trl_real_smoke(tmp_path):
     assert reread["runs"] == again["runs"] and reread["shapes"] == again["shapes"]
 
 
+def test_vs_trl_real_measures_again_only_the_shapes_mus_and_sides_asked():
+    sys.path.insert(0, str(REPO / "bench"))
+    from vs_trl_real import kept_runs
+
+    runs = [{"shape": shape, "mu": mu, "side": side} for shape in ("smollm2", "qwen05b") for mu in (1, 4)
+            for side in ("ours", "trl", "floor")]
+    again = [r for r in runs if r not in kept_runs(runs, ["smollm2"], [1], False, ["ours"])]
+    assert again == [{"shape": "smollm2", "mu": 1, "side": "ours"}]
+    assert len(kept_runs(runs, ["smollm2"], [1, 4], True, [])) == 6  # --fresh: every side of the shape asked
+    assert kept_runs(runs, ["smollm2"], [1, 4], False, []) == runs
+
+
 @pytest.mark.slow
 def test_scale_smoke(tmp_path):
     """bench/scale.py --smoke: every part, before and after side by side, on a small model."""

@@ -12,6 +12,7 @@ the same private memory. glibc reads that setting (GLIBC_TUNABLES) only at start
 restarts itself once with it."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import glob
@@ -20,7 +21,9 @@ import platform
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
-MMAP_THRESHOLD = 1 << 20
+MMAP_THRESHOLD, TRIM_THRESHOLD = 1 << 20, 4 << 20
+REUSE_THRESHOLD = 32 << 20  # glibc's own ceiling for its dynamic threshold
+_configured = False  # whether `configure` set the threshold in this process (then `reusing_heap` may move it)
 HUGE_PAGES = "glibc.malloc.hugetlb=1"  # madvise(MADV_HUGEPAGE) on what malloc maps (glibc >= 2.35; older ignore it)
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -49,7 +52,30 @@ def configure() -> bool:
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):  # not glibc (musl, macOS): nothing to tune
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 4 << 20))
+    global _configured
+    _configured = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
+        bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _configured
+
+
+@contextlib.contextmanager
+def reusing_heap():
+    """Within: blocks up to 32 MiB come from the heap and freed ones stay there for reuse; after: back to the fixed
+    threshold, the heap's free pages returned. For a phase that frees and allocates the same sizes many times and
+    holds little of its own: generation's decode steps (each grown K/V block, the logits and the sampler's
+    temporaries) would otherwise map and fault each afresh. Nothing where `configure` did not set the threshold."""
+    libc = _libc() if _configured else None
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, REUSE_THRESHOLD)
+    libc.mallopt(M_TRIM_THRESHOLD, -1)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        libc.malloc_trim(0)
 
 
 def release() -> None:

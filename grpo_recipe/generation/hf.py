@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_recipe.algo.buffer import left_pad
+from grpo_recipe.dist import allocator
 from grpo_recipe.dist.collectives import device
 from grpo_recipe.generation.base import Completions, StopStrings, finish
 from grpo_recipe.model.engine import gathered_for_generation
@@ -82,7 +83,9 @@ class HFGenerator:
         sampled = SampledLogps(self.cfg.temperature) if self.with_logps and not greedy else None
         weights = contextlib.nullcontext(self.model) if self.model is not None else \
             gathered_for_generation(self.engine, self.per_layer)
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), weights as model:
+        # the heap reused for the decode steps' blocks only, not for the gathered weights (those go back at the end)
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), weights as model, \
+                allocator.reusing_heap():
             torch.manual_seed(seed)
             was_training = model.training
             model.eval()
