@@ -178,6 +178,13 @@ def save_json(name: str | Path, data: dict, folder: Path | None = None) -> Path:
     return path
 
 
+def instance() -> str:
+    """This boot of this machine (Linux's boot id): timings from different instances do not compare, even of one
+    machine type (a later boot measured one run's forward 30% slower)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return boot.read_text().strip() if boot.exists() else f"{platform.node()}-unknown-boot"
+
+
 def machine(**extra) -> dict:
     """The machine a result was measured on, plus `extra` (e.g. the load average at the end)."""
     import torch

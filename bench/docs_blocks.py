@@ -483,7 +483,9 @@ def vs_trl_real_kept(results: Path) -> str:
                          f"): ours / TRL {entry['ours_over_trl']:.2f} s per optimizer step, ours / floor "
                          f"{entry['ours_over_floor']:.2f}, TRL / floor {trl_floor:.2f}"
                          + (f" (so {goal:g} x TRL is {goal * trl_floor:.2f} x the floor)" if goal * trl_floor < 1.05
-                            else ""))
+                            else "")
+                         + ("" if entry.get("sides_on_one_instance") else
+                            ", not paired: its sides ran on different machine instances"))
         parts[-1] += f"; peak private memory per rank ours / TRL {s['peak_rss_ratio']:.2f}"
     state = "complete" if r["complete"] else f"interim, {len(r['runs'])} of {total} runs kept"
     if not parts:

@@ -13,7 +13,8 @@ The design, declared before the runs:
   template, 8 completions per prompt, 1 prompt per rank per rollout, completions up to 256 tokens ending at EOS,
   transformers' generate, one optimizer step per pass, mu = 1 and 4, at least 20 optimizer steps after the first
   rollout (warm-up, not timed), 2 repetitions, the sides alternating (ours, TRL, floor, ours, ...) so that load
-  drift hits all. ZeRO-3 on the recipe and TRL (bench/vs_trl.py's fairness rules, which the JSON repeats).
+  drift hits all. A repetition's three sides run on one machine instance (boot): a later invocation on another
+  measures a half-finished repetition anew, and the summary marks a finished one whose sides do not share one. ZeRO-3 on the recipe and TRL (bench/vs_trl.py's fairness rules, which the JSON repeats).
 - A learning rate too small to move the policy (1e-30: every optimizer step still runs), so all sides sample from
   the same fixed policy and see one distribution of prompt and completion lengths.
 - The floor (bench/floor_runner.py): plain PyTorch, one process per rank, the whole model on each rank, the same
@@ -66,20 +67,22 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one short run per side (CI)")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     p.add_argument("--workdir", default=None, help="run folders (default output/vs_trl_real, or _smoke)")
-    p.add_argument("--fresh", action="store_true", help="measure the shapes (and mus) asked again instead of "
-                                                        "keeping their finished runs from the results file")
-    p.add_argument("--remeasure", nargs="+", choices=SIDES, default=[], help="measure these sides of the shapes "
-                                                                             "and mus asked again (after a change)")
+    p.add_argument("--fresh", action="store_true", help="measure the shapes and --mus asked again, every side, "
+                                                        "instead of keeping their finished runs (after a change)")
     p.add_argument("--reread", action="store_true", help="measure nothing: read each kept run's figures again "
                                                           "from its logs in the work folder (after a fix to a reader)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds before one run is killed")
     return p.parse_args(argv)
 
 
-def kept_runs(runs: list[dict], shapes, mus, fresh: bool, remeasure) -> list[dict]:
-    """The finished runs a new invocation keeps: all but those of the shapes and mus asked that `--fresh` (every
-    side) or `--remeasure` (the sides named) measures again."""
-    return [r for r in runs if not (r["shape"] in shapes and r["mu"] in mus and (fresh or r["side"] in remeasure))]
+def kept_runs(runs: list[dict], shapes, mus, fresh: bool, here: str) -> list[dict]:
+    """The finished runs a new invocation keeps: all but those of the shapes and mus asked with `fresh`, and but
+    those of an unfinished repetition measured on another machine instance than `here` (its sides must share one)."""
+    sides = {}
+    for r in runs:
+        sides.setdefault((r["shape"], r["mu"], r["rep"]), []).append(r)
+    return [r for r in runs if not (fresh and r["shape"] in shapes and r["mu"] in mus)
+            and (len(sides[r["shape"], r["mu"], r["rep"]]) == len(SIDES) or r.get("instance") == here)]
 
 
 def shape_folder(shape: str, work: Path) -> Path:
@@ -208,6 +211,9 @@ def summarize(runs: list[dict], shape: str) -> dict | None:
         pair = lambda a, b: statistics.median(by[a, i]["sec_per_step"] / by[b, i]["sec_per_step"] for i in reps)  # noqa: E731
         entry["ours_over_trl"], entry["ours_over_floor"] = pair("ours", "trl"), pair("ours", "floor")
         entry["reps"] = reps
+        # the ratios pair sides run back to back on one instance; runs from before the stamp count as unknown
+        entry["sides_on_one_instance"] = all(len({by[side, i].get("instance") for side in SIDES}) == 1
+                                             and by["ours", i].get("instance") for i in reps)
         out["by_mu"][str(mu)] = entry
         out["step_time_ratio"][f"mu{mu}"] = entry["ours_over_trl"]
         out["floor_ratio"][f"mu{mu}"] = entry["ours_over_floor"]
@@ -276,7 +282,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out = str(Path(args.out).resolve())
     os.chdir(REPO)
-    from common import CODE_AT_START, machine
+    from common import CODE_AT_START, instance, machine
     from measure import whole_run_peaks
     from transformers import AutoConfig
     from vs_trl import FAIRNESS, run_env, steps_for, trl_ds_config, trl_version, versions
@@ -295,7 +301,8 @@ def main(argv=None) -> int:
     previous = json.loads((out / "vs_trl_real.json").read_text()) if (out / "vs_trl_real.json").is_file() else {}
     # finished runs are kept while the design is the same: the study spans sessions (hours per shape on 2 cores)
     same = (previous.get("run"), previous.get("timed_steps"), previous.get("smoke")) == (run, timed, args.smoke)
-    kept = kept_runs(previous.get("runs", []) if same else [], shapes, mus, args.fresh, args.remeasure)
+    here, started = instance(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    kept = kept_runs(previous.get("runs", []) if same else [], shapes, mus, args.fresh, here)
     planned = [(shape, side, mu, rep) for shape in (shapes if args.smoke else SHAPES)
                for rep in range(reps if args.smoke else REPS) for mu in (mus if args.smoke else MUS) for side in SIDES]
     result = {"benchmark": "vs_trl_real", "goals": GOALS, "design": __doc__.split("The design, declared before the "
@@ -344,7 +351,8 @@ def main(argv=None) -> int:
                     parsed = read_side(side, run_dir, spr, per_step)
                     result["runs"].append({"shape": shape, "model": model.name, "side": side, "mu": mu, "rep": rep,
                                            "max_steps": steps, "load_1m": [load, os.getloadavg()[0]],
-                                           "commit": CODE_AT_START.get("commit"),
+                                           "commit": CODE_AT_START.get("commit"), "instance": here,
+                                           "invocation": started,
                                            "wall_s": peaks["wall_s"], "peak_bytes": peaks["peak_bytes"], **parsed})
                     save(result, out, planned, t0)
     save(result, out, planned, t0)
