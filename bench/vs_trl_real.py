@@ -14,7 +14,8 @@ The design, declared before the runs:
   transformers' generate, one optimizer step per pass, mu = 1 and 4, at least 20 optimizer steps after the first
   rollout (warm-up, not timed), 2 repetitions, the sides alternating (ours, TRL, floor, ours, ...) so that load
   drift hits all. A repetition's three sides run on one machine instance (boot): a later invocation on another
-  measures a half-finished repetition anew, and the summary marks a finished one whose sides do not share one. ZeRO-3 on the recipe and TRL (bench/vs_trl.py's fairness rules, which the JSON repeats).
+  measures a half-finished repetition anew, and the summary marks a finished one whose sides do not share one.
+  ZeRO-3 on the recipe and TRL (bench/vs_trl.py's fairness rules, which the JSON repeats).
 - A learning rate too small to move the policy (1e-30: every optimizer step still runs), so all sides sample from
   the same fixed policy and see one distribution of prompt and completion lengths.
 - The floor (bench/floor_runner.py): plain PyTorch, one process per rank, the whole model on each rank, the same

@@ -104,7 +104,7 @@ def test_huge_pages_env_adds_to_other_tunables_and_skips_what_cannot_use_it(tmp_
 
 
 REUSE = """
-import resource, sys
+import resource
 from grpo_recipe.dist import allocator
 allocator.configure()
 import torch

@@ -23,7 +23,7 @@ import sys
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 MMAP_THRESHOLD, TRIM_THRESHOLD = 1 << 20, 4 << 20
 REUSE_THRESHOLD = 32 << 20  # glibc's own ceiling for its dynamic threshold
-_configured = False  # whether `configure` set the threshold in this process (then `reusing_heap` may move it)
+_configured = None  # libc, where `configure` set the threshold in this process (then `reusing_heap` may move it)
 HUGE_PAGES = "glibc.malloc.hugetlb=1"  # madvise(MADV_HUGEPAGE) on what malloc maps (glibc >= 2.35; older ignore it)
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -53,9 +53,9 @@ def configure() -> bool:
     if libc is None or not hasattr(libc, "mallopt"):  # not glibc (musl, macOS): nothing to tune
         return False
     global _configured
-    _configured = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
-        bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    return _configured
+    done = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _configured = libc if done else None
+    return done
 
 
 @contextlib.contextmanager
@@ -64,7 +64,7 @@ def reusing_heap():
     threshold, the heap's free pages returned. For a phase that frees and allocates the same sizes many times and
     holds little of its own: generation's decode steps (each grown K/V block, the logits and the sampler's
     temporaries) would otherwise map and fault each afresh. Nothing where `configure` did not set the threshold."""
-    libc = _libc() if _configured else None
+    libc = _configured
     if libc is None:
         yield
         return
