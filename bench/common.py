@@ -179,8 +179,8 @@ def save_json(name: str | Path, data: dict, folder: Path | None = None) -> Path:
 
 
 def instance() -> str:
-    """This boot of this machine (Linux's boot id): timings from different instances do not compare, even of one
-    machine type (a later boot measured one run's forward 30% slower)."""
+    """This boot of this machine (Linux's boot id): timings from different boots do not pair, even of one machine
+    type (a virtual machine's host and neighbours change with it)."""
     boot = Path("/proc/sys/kernel/random/boot_id")
     return boot.read_text().strip() if boot.exists() else f"{platform.node()}-unknown-boot"
 

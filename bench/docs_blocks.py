@@ -485,7 +485,7 @@ def vs_trl_real_kept(results: Path) -> str:
                          + (f" (so {goal:g} x TRL is {goal * trl_floor:.2f} x the floor)" if goal * trl_floor < 1.05
                             else "")
                          + ("" if entry.get("sides_on_one_instance") else
-                            ", not paired: its sides ran on different machine instances"))
+                            ", not paired: its sides are not known to have run on one machine instance"))
         parts[-1] += f"; peak private memory per rank ours / TRL {s['peak_rss_ratio']:.2f}"
     state = "complete" if r["complete"] else f"interim, {len(r['runs'])} of {total} runs kept"
     if not parts:
