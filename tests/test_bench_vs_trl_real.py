@@ -31,8 +31,9 @@ def test_vs_trl_real_smoke(tmp_path):
     assert {(x["side"], len(x["peak_bytes"])) for x in r["runs"]} == {("ours", 2), ("trl", 2), ("floor", 2)}
     assert r["complete"] and r["runs_to_go"] == []
     assert_plot(tmp_path / "vs_trl_real.png", 660, 440)
-    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-    assert {x["instance"] for x in r["runs"]} == {boot} and s["by_mu"]["1"]["sides_on_one_instance"]
+    from common import instance
+
+    assert {x["instance"] for x in r["runs"]} == {instance()} and s["by_mu"]["1"]["sides_on_one_instance"]
     # a later invocation on the same instance keeps the finished runs and measures only what is missing (the
     # study spans sessions)
     kept = [x for x in r["runs"] if x["side"] != "floor"]
