@@ -120,10 +120,20 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def whole_run_peaks(cmd: list[str], env: dict, cwd: Path, every_s: float = 0.1, log: Path | None = None) -> dict:
+def available_memory() -> int:
+    """Bytes the system could still give processes now (/proc/meminfo MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def whole_run_peaks(cmd: list[str], env: dict, cwd: Path, every_s: float = 0.1, log: Path | None = None,
+                    timeout_s: float | None = None, memory_limit: int | None = None) -> dict:
     """Run a launcher command and sample the private memory (RssAnon) of each of its rank processes (those with a
     RANK in their environment) every `every_s` seconds, from start to exit, nothing subtracted: what a user's
-    processes reach. Returns the exit code, each rank's peak bytes and the run's wall seconds."""
+    processes reach. Returns the exit code, each rank's peak bytes and the run's wall seconds. Past `timeout_s`, or
+    once the ranks together hold more than `memory_limit` bytes (before the kernel's OOM killer picks a victim,
+    which may be another process), the launcher and everything below it are killed and `stopped` says why."""
+    import signal
     import subprocess
 
     out = open(log, "w") if log is not None else subprocess.DEVNULL
@@ -131,8 +141,10 @@ def whole_run_peaks(cmd: list[str], env: dict, cwd: Path, every_s: float = 0.1, 
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
     peaks: dict[int, int] = {}
     ranks: dict[int, int] = {}
+    stopped = None
     while proc.poll() is None:
-        for pid in descendants(proc.pid):
+        below, held = descendants(proc.pid), 0
+        for pid in below:
             if pid not in ranks:
                 try:
                     environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
@@ -145,8 +157,22 @@ def whole_run_peaks(cmd: list[str], env: dict, cwd: Path, every_s: float = 0.1, 
             value = rss_anon_of(pid)
             if value is not None:
                 peaks[ranks[pid]] = max(peaks.get(ranks[pid], 0), value)
+                held += value
+        if memory_limit is not None and held > memory_limit:
+            stopped = "memory"
+        elif timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+            stopped = "timeout"
+        if stopped:
+            proc.kill()  # first, so that it starts nothing more; what it started is listed in `below`
+            for pid in below:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            break
         time.sleep(every_s)
     if log is not None:
         out.close()
     return {"exit_code": proc.returncode, "peak_bytes": [peaks[r] for r in sorted(peaks)],
-            "wall_s": time.perf_counter() - t0}
+            "wall_s": time.perf_counter() - t0, "stopped": stopped}

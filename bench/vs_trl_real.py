@@ -4,6 +4,7 @@
     python bench/vs_trl_real.py --shapes smollm2      # one shape (the other keeps its figures in the file)
     # finished runs are kept in the results file: a later invocation continues where one stopped (--fresh: anew)
     python bench/vs_trl_real.py --smoke --out DIR     # CI: every side and the summary in minutes, no claim
+    python bench/vs_trl_real.py --pilot --shapes qwen05b --mus 1   # first: fits? hours? -> vs_trl_real_pilot.json
 
 The design, declared before the runs:
 - Shapes: SmolLM2-135M-Instruct (real weights, 49k vocabulary; grpo_recipe.tools.prepare_model --source smollm2)
@@ -24,7 +25,10 @@ The design, declared before the runs:
   rollout's preparation: rewards, old and reference log-probs, weight sync; forward + loss; backward + optimizer;
   other), completion tokens trained per second, and the peak private memory (RssAnon) of each rank process,
   sampled alike for all sides (bench/measure.py whole_run_peaks). A timed run needs the machine alone: the load
-  is recorded at each run's start and end.
+  is recorded at each run's start and end. A run whose ranks together reach the memory the machine had free at its
+  start is stopped there (the kernel's OOM killer could pick another process).
+- Piloted per shape before its runs (--pilot: the design's sizes, one repetition, two rollouts a side): whether
+  each side fits in memory, and the study's hours projected from the pilot's phases.
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ RUN = {"max_completion_length": 256, "max_prompt_length": 256, "num_generations"
        "logging_steps": 1, "save_steps": 0, "disable_tqdm": True, "reward_funcs": ["length"],
        "prompt_column": "prompt", "max_grad_norm": 1.0}
 TIMED_STEPS = 20
+PILOT_FILE = "vs_trl_real_pilot.json"
+HEADROOM = 1 << 30  # bytes a run leaves free for the rest of the machine (the sampler, the shell)
 MUS, REPS = (1, 4), 2  # the declared design: `complete` and `runs_to_go` count it whatever one invocation measures
 SMOKE = {"run": {"max_completion_length": 8, "num_generations": 2, "per_device_train_batch_size": 4},
          "steps": 2, "mus": [1], "reps": 1, "shapes": ["smollm2"]}
@@ -73,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--reread", action="store_true", help="measure nothing: read each kept run's figures again "
                                                           "from its logs in the work folder (after a fix to a reader)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds before one run is killed")
+    p.add_argument("--pilot", action="store_true", help=f"the design's sizes, one repetition, two rollouts a side "
+                                                         f"(one timed), to {PILOT_FILE}: whether each side fits in "
+                                                         f"memory and the study's hours (projected)")
     return p.parse_args(argv)
 
 
@@ -247,6 +256,44 @@ def save(result: dict, out: Path, planned: list[tuple], t0: float) -> None:
         plot(result, out / "vs_trl_real.png")
 
 
+def project(runs: list[dict]) -> dict:
+    """A model from the pilot's runs, labelled as one: per shape and side, the seconds a run of the design would
+    take at each of MUS (start-up as piloted, then the design's steps, each a 1/mu share of a rollout's
+    preparation plus a step's forward, backward and other, all from the pilot's phases at the smallest mu
+    piloted); per shape, a repetition's hours at each mu and the whole study's."""
+    from vs_trl import steps_for
+
+    out = {}
+    for shape in dict.fromkeys(r["shape"] for r in runs):
+        sides = {}
+        for side in SIDES:
+            done = sorted((r for r in runs if (r["shape"], r["side"]) == (shape, side) and r["exit_code"] == 0),
+                          key=lambda r: r["mu"])
+            if not done:
+                continue
+            r, ph = done[0], done[0]["phases_s_per_step"]
+            rollout, step = ph["prepare"] * r["mu"], ph["forward"] + ph["backward"] + ph["other"]
+            start = r["wall_s"] - r["train_span_s"]
+            sides[side] = {str(mu): start + steps_for(TIMED_STEPS + mu, mu) * (rollout / mu + step) for mu in MUS}
+        entry = {"run_s": sides}
+        if len(sides) == len(SIDES):
+            entry["repetition_h"] = {str(mu): sum(s[str(mu)] for s in sides.values()) / 3600 for mu in MUS}
+            entry["study_h"] = REPS * sum(entry["repetition_h"].values())
+        out[shape] = entry
+    return out
+
+
+def save_pilot(result: dict, out: Path, t0: float) -> None:
+    """The pilot's file: each side's exit, whether it was stopped (memory, time), its peaks and phases, and the
+    projection (`project`)."""
+    from common import save_json
+
+    result["this_invocation_wall_s"] = time.perf_counter() - t0
+    result["machine"]["load_average_at_end"] = os.getloadavg()
+    result["projection"] = project(result["runs"])
+    save_json(PILOT_FILE, result, out)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -284,7 +331,7 @@ def main(argv=None) -> int:
     args.out = str(Path(args.out).resolve())
     os.chdir(REPO)
     from common import CODE_AT_START, instance, machine
-    from measure import whole_run_peaks
+    from measure import available_memory, whole_run_peaks
     from transformers import AutoConfig
     from vs_trl import FAIRNESS, run_env, steps_for, trl_ds_config, trl_version, versions
 
@@ -295,11 +342,15 @@ def main(argv=None) -> int:
     run = dict(RUN, **(SMOKE["run"] if args.smoke else {}))
     shapes, mus, reps = (SMOKE["shapes"], SMOKE["mus"], SMOKE["reps"]) if args.smoke else (args.shapes, args.mus,
                                                                                              args.reps)
+    if args.pilot:
+        reps = 1
     timed = SMOKE["steps"] if args.smoke else TIMED_STEPS
-    work = Path(args.workdir or REPO / "output" / ("vs_trl_real_smoke" if args.smoke else "vs_trl_real"))
+    work = Path(args.workdir or REPO / "output" / ("vs_trl_real" + ("_smoke" if args.smoke else "")
+                                                   + ("_pilot" if args.pilot else "")))
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
-    previous = json.loads((out / "vs_trl_real.json").read_text()) if (out / "vs_trl_real.json").is_file() else {}
+    previous = (json.loads((out / "vs_trl_real.json").read_text())
+                if (out / "vs_trl_real.json").is_file() and not args.pilot else {})
     # finished runs are kept while the design is the same: the study spans sessions (hours per shape on 2 cores)
     same = (previous.get("run"), previous.get("timed_steps"), previous.get("smoke")) == (run, timed, args.smoke)
     here, started = instance(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -309,7 +360,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "vs_trl_real", "goals": GOALS, "design": __doc__.split("The design, declared before the "
                                                                                "runs:")[1].strip(),
               "fairness": FAIRNESS, "trl_version": version, "versions": versions(sys.executable), "run": run,
-              "timed_steps": timed, "smoke": args.smoke, "runs": kept,
+              "timed_steps": "one rollout" if args.pilot else timed, "smoke": args.smoke, "runs": kept,
               "machine": machine(load_average_at_start=os.getloadavg()),
               "commands": {"benchmark": "python bench/vs_trl_real.py " + " ".join(argv if argv is not None
                                                                                  else sys.argv[1:])}}
@@ -325,7 +376,7 @@ def main(argv=None) -> int:
         for rep in range(reps):
             for mu in mus:
                 spr = mu * cfg.optimizer_steps_per_pass
-                steps = steps_for(timed + spr, spr)
+                steps = steps_for((spr if args.pilot else timed) + spr, spr)
                 # completions each optimizer step trains on (both ranks): a pass is the whole rollout
                 per_step = cfg.completions_per_rollout * 2 // cfg.optimizer_steps_per_pass
                 for side in SIDES:
@@ -345,17 +396,36 @@ def main(argv=None) -> int:
                     print(f"vs_trl_real: {shape} rep {rep} mu {mu} {side} ({steps} steps)", file=sys.stderr,
                           flush=True)
                     load = os.getloadavg()[0]
-                    peaks = whole_run_peaks(cmd, env, REPO, log=run_dir / f"{side}.log")
+                    limit = available_memory() - HEADROOM
+                    peaks = whole_run_peaks(cmd, env, REPO, log=run_dir / f"{side}.log", timeout_s=args.timeout,
+                                            memory_limit=limit)
+                    why = {"memory": f"its ranks reached the {limit / 2**30:.1f} GiB the machine had free",
+                           "timeout": f"it ran past --timeout {args.timeout:g} s"}.get(peaks["stopped"])
+                    if peaks["exit_code"] != 0 and args.pilot:
+                        print(f"vs_trl_real: pilot {shape} {side} mu {mu}: "
+                              f"{why or 'exit ' + str(peaks['exit_code'])}", file=sys.stderr, flush=True)
+                        result["runs"].append({"shape": shape, "side": side, "mu": mu, "rep": rep, "max_steps": steps,
+                                               "memory_limit": limit, **peaks})
+                        save_pilot(result, out, t0)
+                        continue
                     if peaks["exit_code"] != 0:
                         tail = "\n".join((run_dir / f"{side}.log").read_text(errors="replace").splitlines()[-25:])
-                        sys.exit(f"vs_trl_real: {shape} {side} mu {mu} failed ({peaks['exit_code']}):\n{tail}")
+                        sys.exit(f"vs_trl_real: {shape} {side} mu {mu} failed ({why or peaks['exit_code']}):\n{tail}")
                     parsed = read_side(side, run_dir, spr, per_step)
                     result["runs"].append({"shape": shape, "model": model.name, "side": side, "mu": mu, "rep": rep,
                                            "max_steps": steps, "load_1m": [load, os.getloadavg()[0]],
                                            "commit": CODE_AT_START.get("commit"), "instance": here,
                                            "invocation": started,
-                                           "wall_s": peaks["wall_s"], "peak_bytes": peaks["peak_bytes"], **parsed})
-                    save(result, out, planned, t0)
+                                           "wall_s": peaks["wall_s"], "peak_bytes": peaks["peak_bytes"],
+                                           "exit_code": 0, **parsed})
+                    if args.pilot:
+                        save_pilot(result, out, t0)
+                    else:
+                        save(result, out, planned, t0)
+    if args.pilot:
+        save_pilot(result, out, t0)
+        print(json.dumps(result["projection"], indent=1))
+        return 0
     save(result, out, planned, t0)
     for shape, s in result["shapes"].items():
         print(f"{shape}: ours/TRL {s['step_time_ratio']}, ours/floor {s['floor_ratio']}, "

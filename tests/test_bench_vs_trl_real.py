@@ -88,3 +88,23 @@ def test_vs_trl_real_marks_ratios_whose_sides_ran_on_different_instances():
     assert not mixed["by_mu"]["1"]["sides_on_one_instance"] and mixed["floor_ratio"]["mu1"] == 1.5
     unknown = summarize([record(r, secs[r["side"]]) for r in runs_of(lambda *_: None, ["smollm2"], [1])], "smollm2")
     assert not unknown["by_mu"]["1"]["sides_on_one_instance"]
+
+
+def test_vs_trl_real_pilot_projects_each_mu_from_the_phases_and_leaves_out_a_side_that_did_not_fit():
+    from vs_trl import steps_for
+    from vs_trl_real import MUS, REPS, TIMED_STEPS, project
+
+    phases = {"ours": (30.0, 10.0, 20.0), "trl": (32.0, 12.0, 25.0), "floor": (28.0, 8.0, 18.0)}
+    runs = [{"shape": "qwen05b", "side": side, "mu": 1, "exit_code": 0, "wall_s": 200.0 + 2 * sum(p),
+             "train_span_s": 2 * sum(p), "phases_s_per_step": {"generate": p[0] - 1, "prepare": p[0],
+                                                               "forward": p[1], "backward": p[2], "other": 0.5}}
+            for side, p in phases.items()]
+    proj = project(runs)["qwen05b"]
+    for side, (prep, fwd, bwd) in phases.items():
+        for mu in MUS:
+            want = 200.0 + steps_for(TIMED_STEPS + mu, mu) * (prep / mu + fwd + bwd + 0.5)
+            assert abs(proj["run_s"][side][str(mu)] - want) < 1e-9
+    assert abs(proj["study_h"] - REPS * sum(s[str(mu)] for s in proj["run_s"].values() for mu in MUS) / 3600) < 1e-9
+    stopped = [{**r, "exit_code": -9} if r["side"] == "trl" else r for r in runs]
+    partial = project(stopped)["qwen05b"]
+    assert set(partial["run_s"]) == {"ours", "floor"} and "study_h" not in partial
