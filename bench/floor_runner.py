@@ -5,13 +5,16 @@
 Each rank holds the whole model (fp32, no ZeRO), samples with the model's own `generate` (the same prompts
 through the chat template, the same sampling settings and group size), scores with the recipe's reward code
 (as the TRL side does), then trains on exactly the generated tokens without padding: one forward and backward
-per sequence, the clipped token-mean loss over the optimizer step's tokens against old log-probs captured in the first pass, gradients summed over
-the ranks with one all-reduce per optimizer step, torch's AdamW. What is left is the arithmetic a GRPO step
-needs plus one gradient all-reduce: any framework's time above it is overhead.
+per sequence, the clipped token-mean loss over the optimizer step's tokens against old log-probs captured in the
+first pass, gradients summed over the ranks once per optimizer step (in buckets of 64 MiB, as DDP does: no copy of
+the whole model's gradients), torch's fused AdamW (as the recipe's on CPU), activations checkpointed where the run
+asks (`gradient_checkpointing`, enabled as the recipe enables it). What is left is the arithmetic a GRPO step needs
+plus the gradients' all-reduce: any framework's time above it is overhead.
 
 SPEC.json (written by vs_trl_real.py): model, prompts_file (chat messages as TRL's), reward_funcs, output_dir and
 `run` (num_generations, prompts_per_rank, max_completion_length, temperature, top_p, top_k, num_iterations,
-micro_batch, max_steps, learning_rate, adam betas/eps/weight_decay, epsilon, epsilon_high, seed). Events go to
+micro_batch, max_steps, learning_rate, adam betas/eps/weight_decay, epsilon, epsilon_high, seed,
+gradient_checkpointing). Events go to
 OUT/events-rankR.jsonl in bench/trl_runner.py's format (train_begin, generate, prepare, forward, backward, rewards,
 step_end) so that vs_trl_logs.read_trl reads all three sides alike; OUT/log_history.json holds each step's
 completion tokens.
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+BUCKET = 1 << 24  # gradient elements per all-reduce (64 MiB of fp32)
 sys.path.insert(0, str(REPO))  # the recipe's own reward functions, as on the TRL side
 
 
@@ -50,8 +54,10 @@ def main(spec_path: str) -> int:
     tok = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     model.config.use_cache = True
+    if run.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable()  # as grpo_recipe/model/load.py; generation (eval mode) keeps its cache
     opt = torch.optim.AdamW(model.parameters(), lr=run["learning_rate"], betas=tuple(run["adam_betas"]),
-                            eps=run["adam_epsilon"], weight_decay=run["weight_decay"])
+                            eps=run["adam_epsilon"], weight_decay=run["weight_decay"], fused=True)
     funcs = load_reward_funcs(spec["reward_funcs"])
     rows = [json.loads(line) for line in Path(spec["prompts_file"]).read_text().splitlines()]
     mine = rows[rank::world]
@@ -111,11 +117,7 @@ def main(spec_path: str) -> int:
                     loss.backward()
                     emit("backward", seconds=time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                grads = [q.grad for q in model.parameters() if q.grad is not None]
-                flat = torch.cat([q.reshape(-1) for q in grads])
-                dist.all_reduce(flat)
-                flat /= world
-                _unflatten(flat, grads)
+                _all_reduce_mean([q.grad for q in model.parameters() if q.grad is not None], world)
                 opt.step()
                 opt.zero_grad(set_to_none=False)
                 emit("backward", seconds=time.perf_counter() - t0)
@@ -134,12 +136,34 @@ def main(spec_path: str) -> int:
     return 0
 
 
-def _unflatten(flat, tensors) -> None:
-    """Copy the all-reduced flat gradient back into each parameter's gradient."""
-    start = 0
-    for t in tensors:
-        t.copy_(flat[start:start + t.numel()].view_as(t))
-        start += t.numel()
+def _all_reduce_mean(grads: list, world: int) -> None:
+    """Average the gradients over the ranks in place, a bucket of up to BUCKET elements per all-reduce (a larger
+    gradient alone, without a copy)."""
+    import torch
+    import torch.distributed as dist
+
+    def flush(bucket: list) -> None:
+        if len(bucket) == 1:
+            dist.all_reduce(bucket[0])
+            bucket[0].div_(world)
+            return
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        flat /= world
+        start = 0
+        for g in bucket:
+            g.copy_(flat[start:start + g.numel()].view_as(g))
+            start += g.numel()
+
+    bucket, size = [], 0
+    for g in grads:
+        if bucket and size + g.numel() > BUCKET:
+            flush(bucket)
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel()
+    if bucket:
+        flush(bucket)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,15 @@ def rss_anon_of(pid: int) -> int | None:
     return None
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still exists and is not merely waiting to be reaped (a zombie holds no memory)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (from /proc's parent links)."""
     children: dict[int, list[int]] = {}
@@ -170,6 +179,9 @@ def whole_run_peaks(cmd: list[str], env: dict, cwd: Path, every_s: float = 0.1, 
                 except ProcessLookupError:
                     pass
             proc.wait()
+            gone_by = time.perf_counter() + 60  # the killed ranks' memory back before anything else is measured
+            while any(alive(pid) for pid in below) and time.perf_counter() < gone_by:
+                time.sleep(every_s)
             break
         time.sleep(every_s)
     if log is not None:

@@ -17,6 +17,9 @@ The design, declared before the runs:
   drift hits all. A repetition's three sides run on one machine instance (boot): a later invocation on another
   measures a half-finished repetition anew, and the summary marks a finished one whose sides do not share one.
   ZeRO-3 on the recipe and TRL (bench/vs_trl.py's fairness rules, which the JSON repeats).
+- The 0.5B shape checkpoints activations on every side (`gradient_checkpointing`: the recipe's and TRL's option,
+  the floor's model enabled as the recipe enables it): without it, TRL's ranks outgrew this 24 GiB machine's free
+  memory in their first step (pilot).
 - A learning rate too small to move the policy (1e-30: every optimizer step still runs), so all sides sample from
   the same fixed policy and see one distribution of prompt and completion lengths.
 - The floor (bench/floor_runner.py): plain PyTorch, one process per rank, the whole model on each rank, the same
@@ -52,6 +55,7 @@ RUN = {"max_completion_length": 256, "max_prompt_length": 256, "num_generations"
        "learning_rate": 1e-30, "temperature": 1.0, "beta": 0.0, "loss_type": "dapo",
        "logging_steps": 1, "save_steps": 0, "disable_tqdm": True, "reward_funcs": ["length"],
        "prompt_column": "prompt", "max_grad_norm": 1.0}
+SHAPE_RUN = {"qwen05b": {"gradient_checkpointing": True}}  # on top of RUN, every side (the design says why)
 TIMED_STEPS = 20
 PILOT_FILE = "vs_trl_real_pilot.json"
 HEADROOM = 1 << 30  # bytes a run leaves free for the rest of the machine (the sampler, the shell)
@@ -177,7 +181,8 @@ def side_command(side: str, model: Path, prompts: dict, run: dict, mu: int, step
                                         "adam_betas": [cfg.adam_beta1, cfg.adam_beta2],
                                         "adam_epsilon": cfg.adam_epsilon, "weight_decay": cfg.weight_decay,
                                         "epsilon": cfg.epsilon, "epsilon_high": cfg.eps_high,
-                                        "seed": cfg.seed}}, indent=1))
+                                        "seed": cfg.seed, "gradient_checkpointing": cfg.gradient_checkpointing}},
+                                indent=1))
     return torchrun(2, [str(REPO / "bench" / "floor_runner.py"), str(spec)])
 
 
@@ -360,6 +365,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "vs_trl_real", "goals": GOALS, "design": __doc__.split("The design, declared before the "
                                                                                "runs:")[1].strip(),
               "fairness": FAIRNESS, "trl_version": version, "versions": versions(sys.executable), "run": run,
+              "shape_run": SHAPE_RUN,
               "timed_steps": "one rollout" if args.pilot else timed, "smoke": args.smoke, "runs": kept,
               "machine": machine(load_average_at_start=os.getloadavg()),
               "commands": {"benchmark": "python bench/vs_trl_real.py " + " ".join(argv if argv is not None
@@ -367,9 +373,9 @@ def main(argv=None) -> int:
     done = {(r["shape"], r["side"], r["mu"], r["rep"]) for r in kept}
     env, t0 = run_env(), time.perf_counter()
     for shape in shapes:
-        model = shape_folder(shape, work)
-        prompts = dict(zip(("ours", "trl"), write_prompts(model, run, work / shape)))
-        cfg = load_config(recipe_argv(model, prompts["ours"], run, 1, 2, work / "unused"), world_size=2)
+        model, shape_run = shape_folder(shape, work), {**run, **SHAPE_RUN.get(shape, {})}
+        prompts = dict(zip(("ours", "trl"), write_prompts(model, shape_run, work / shape)))
+        cfg = load_config(recipe_argv(model, prompts["ours"], shape_run, 1, 2, work / "unused"), world_size=2)
         ds_file = work / shape / "ds_config_trl.json"
         ds_file.write_text(json.dumps(trl_ds_config(cfg, False, eng.ds_config(
             cfg, 2, AutoConfig.from_pretrained(model).hidden_size)), indent=1))
@@ -392,7 +398,7 @@ def main(argv=None) -> int:
                         continue
                     shutil.rmtree(run_dir / side, ignore_errors=True)
                     run_dir.mkdir(parents=True, exist_ok=True)
-                    cmd = side_command(side, model, prompts, run, mu, steps, run_dir, ds_file)
+                    cmd = side_command(side, model, prompts, shape_run, mu, steps, run_dir, ds_file)
                     print(f"vs_trl_real: {shape} rep {rep} mu {mu} {side} ({steps} steps)", file=sys.stderr,
                           flush=True)
                     load = os.getloadavg()[0]
