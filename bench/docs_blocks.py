@@ -492,6 +492,28 @@ def vs_trl_real_kept(results: Path) -> str:
     return f"So far ({state}): " + "; ".join(parts) + ". The goals: " + "; ".join(r["goals"].values())
 
 
+def vs_trl_real_pilot(results: Path) -> str:
+    """bench/README.md: the last pilot of vs_trl_real: each side's peak private memory per rank (or where it was
+    stopped) and the hours it projects for a repetition and the study."""
+    r = _load(results, "vs_trl_real_pilot.json")
+    parts = []
+    for shape in dict.fromkeys(x["shape"] for x in r["runs"]):
+        sides = []
+        for x in (x for x in r["runs"] if x["shape"] == shape):
+            why = {"memory": f", stopped where its ranks held the {x.get('memory_limit', 0) / 2**30:.1f} GiB the "
+                             f"machine had free", "timeout": ", stopped at its time limit"}.get(x.get("stopped"), "")
+            sides.append(f"{x['side']} {max(x['peak_bytes'], default=0) / 2**30:.1f} GiB" + why
+                         + (f" (exit {x['exit_code']})" if x["exit_code"] and not why else ""))
+        mus = sorted({x["mu"] for x in r["runs"] if x["shape"] == shape})
+        proj = r["projection"].get(shape, {})
+        hours = ("; projected (a model from its phases): a repetition " + ", ".join(
+            f"{h:.1f} h at mu = {mu}" for mu, h in proj["repetition_h"].items())
+            + f", the whole study {proj['study_h']:.1f} h") if "study_h" in proj else ""
+        parts.append(f"{shape} at mu = {', '.join(map(str, mus))}, peak private memory per rank: " + ", ".join(sides)
+                     + hours)
+    return (f"The last pilot (`vs_trl_real_pilot.json`, {r['provenance']['commit'][:7]}): " + "; ".join(parts))
+
+
 def real_vs_trl_first_replay(results: Path) -> str:
     """docs/findings-reuse-default.md: what `auto` did on the real model: its passes, the drift its replays ran
     at against the bound the rule holds them to (g x reuse_max_kl, the code's default), what a replay was worth."""
@@ -1047,6 +1069,7 @@ BLOCKS = {"vs-trl-step": vs_trl_step, "breakdown-overhead": breakdown_overhead,
           "scale-positions": scale_positions, "whole-run-per-layer": whole_run_per_layer,
           "old-logp-per-rank": old_logp_per_rank, "smollm2-training": smollm2_training,
           "real-vs-trl-untrained": real_vs_trl_untrained, "vs-trl-real-kept": vs_trl_real_kept,
+          "vs-trl-real-pilot": vs_trl_real_pilot,
           "real-vs-trl-first-replay": real_vs_trl_first_replay,
           "mu-sweep-table": mu_sweep_table, "regimes-table": regimes_table,
           "regimes-verdict-table": regimes_verdict_table, "vs-trl-table": vs_trl_table,

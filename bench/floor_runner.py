@@ -13,11 +13,10 @@ plus the gradients' all-reduce: any framework's time above it is overhead.
 
 SPEC.json (written by vs_trl_real.py): model, prompts_file (chat messages as TRL's), reward_funcs, output_dir and
 `run` (num_generations, prompts_per_rank, max_completion_length, temperature, top_p, top_k, num_iterations,
-micro_batch, max_steps, learning_rate, adam betas/eps/weight_decay, epsilon, epsilon_high, seed,
-gradient_checkpointing). Events go to
-OUT/events-rankR.jsonl in bench/trl_runner.py's format (train_begin, generate, prepare, forward, backward, rewards,
-step_end) so that vs_trl_logs.read_trl reads all three sides alike; OUT/log_history.json holds each step's
-completion tokens.
+step_sequences (a rank's per optimizer step), max_steps, learning_rate, adam betas/eps/weight_decay, epsilon,
+epsilon_high, seed, gradient_checkpointing). Events go to OUT/events-rankR.jsonl in bench/trl_runner.py's format
+(train_begin, generate, prepare, forward, backward, rewards, step_end) so that vs_trl_logs.read_trl reads all three
+sides alike; OUT/log_history.json holds each step's completion tokens.
 """
 from __future__ import annotations
 
@@ -61,7 +60,7 @@ def main(spec_path: str) -> int:
     funcs = load_reward_funcs(spec["reward_funcs"])
     rows = [json.loads(line) for line in Path(spec["prompts_file"]).read_text().splitlines()]
     mine = rows[rank::world]
-    G, per_rank, mu, mb = run["num_generations"], run["prompts_per_rank"], run["num_iterations"], run["micro_batch"]
+    G, per_rank, mu, mb = run["num_generations"], run["prompts_per_rank"], run["num_iterations"], run["step_sequences"]
     steps_per_pass = per_rank * G // mb
     history, step, rollout = [], 0, 0
     emit("train_begin")

@@ -102,12 +102,20 @@ def rss_anon_of(pid: int) -> int | None:
 
 
 def alive(pid: int) -> bool:
-    """Whether process `pid` still exists and is not merely waiting to be reaped (a zombie holds no memory)."""
+    """Whether any thread of process `pid` is still running or exiting: a killed process's memory is back once all
+    are dead or zombies (its first thread turns zombie while the others still exit, its memory held until the last)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except (OSError, IndexError):
+            continue
+    return False
 
 
 def descendants(pid: int) -> list[int]:

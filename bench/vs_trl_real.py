@@ -18,8 +18,9 @@ The design, declared before the runs:
   measures a half-finished repetition anew, and the summary marks a finished one whose sides do not share one.
   ZeRO-3 on the recipe and TRL (bench/vs_trl.py's fairness rules, which the JSON repeats).
 - The 0.5B shape checkpoints activations on every side (`gradient_checkpointing`: the recipe's and TRL's option,
-  the floor's model enabled as the recipe enables it): without it, TRL's ranks outgrew this 24 GiB machine's free
-  memory in their first step (pilot).
+  the floor's model enabled as the recipe enables it) and accumulates an optimizer step's 8 sequences per rank over
+  2 micro-batches of 4: as first piloted (micro-batches of 8), TRL's ranks outgrew the 20.8 GiB this 24 GiB machine
+  had free, with checkpointing (on its second step) and without (on its first).
 - A learning rate too small to move the policy (1e-30: every optimizer step still runs), so all sides sample from
   the same fixed policy and see one distribution of prompt and completion lengths.
 - The floor (bench/floor_runner.py): plain PyTorch, one process per rank, the whole model on each rank, the same
@@ -55,7 +56,9 @@ RUN = {"max_completion_length": 256, "max_prompt_length": 256, "num_generations"
        "learning_rate": 1e-30, "temperature": 1.0, "beta": 0.0, "loss_type": "dapo",
        "logging_steps": 1, "save_steps": 0, "disable_tqdm": True, "reward_funcs": ["length"],
        "prompt_column": "prompt", "max_grad_norm": 1.0}
-SHAPE_RUN = {"qwen05b": {"gradient_checkpointing": True}}  # on top of RUN, every side (the design says why)
+# on top of RUN, every side (the design says why)
+SHAPE_RUN = {"qwen05b": {"gradient_checkpointing": True, "per_device_train_batch_size": 4,
+                         "gradient_accumulation_steps": 2}}
 TIMED_STEPS = 20
 PILOT_FILE = "vs_trl_real_pilot.json"
 HEADROOM = 1 << 30  # bytes a run leaves free for the rest of the machine (the sampler, the shell)
@@ -173,7 +176,8 @@ def side_command(side: str, model: Path, prompts: dict, run: dict, mu: int, step
                                 "prompts_file": str(prompts["trl"]), "reward_funcs": cfg.reward_funcs,
                                 "run": {"num_generations": cfg.num_generations,
                                         "prompts_per_rank": cfg.completions_per_rollout // cfg.num_generations,
-                                        "micro_batch": cfg.per_device_train_batch_size,
+                                        "step_sequences": cfg.per_device_train_batch_size
+                                        * cfg.gradient_accumulation_steps,
                                         "max_completion_length": cfg.max_completion_length,
                                         "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                                         "num_iterations": mu, "max_steps": steps,

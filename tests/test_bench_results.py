@@ -192,6 +192,18 @@ def test_vs_trl_real_summary_follows_from_its_runs_and_the_sides_train_alike():
             assert 0.75 < x["train_tokens_per_step"] / ours[key] < 1.33, (x["side"], key)
 
 
+def test_vs_trl_real_pilot_projection_follows_from_its_runs():
+    """vs_trl_real_pilot.json's projected hours are its runs' under the current model, and a side it stopped for
+    memory held more than the machine had free."""
+    from vs_trl_real import project
+
+    r = load("vs_trl_real_pilot.json")
+    assert close(as_json(project(r["runs"])), r["projection"])
+    for x in r["runs"]:
+        if x.get("stopped") == "memory":
+            assert x["exit_code"] != 0 and sum(x["peak_bytes"]) > x["memory_limit"], x["side"]
+
+
 def test_real_vs_trl_selection_verdicts_and_docs_follow_from_its_runs():
     """The gate of every pilot, the chosen setting and the verdicts follow from the committed runs by the declared
     rules; README's and bench/README's sections are `real_vs_trl.py --docs` of the committed file."""
