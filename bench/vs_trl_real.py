@@ -59,6 +59,8 @@ RUN = {"max_completion_length": 256, "max_prompt_length": 256, "num_generations"
 # on top of RUN, every side (the design says why)
 SHAPE_RUN = {"qwen05b": {"gradient_checkpointing": True, "per_device_train_batch_size": 4,
                          "gradient_accumulation_steps": 2}}
+# sides that run under the recipe's allocator settings (as environment) at a shape: the design says why
+RECIPE_ALLOCATOR = {"qwen05b": ("trl",)}
 TIMED_STEPS = 20
 PILOT_FILE = "vs_trl_real_pilot.json"
 HEADROOM = 1 << 30  # bytes a run leaves free for the rest of the machine (the sampler, the shell)
@@ -89,6 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--pilot", action="store_true", help=f"the design's sizes, one repetition, two rollouts a side "
                                                          f"(one timed), to {PILOT_FILE}: whether each side fits in "
                                                          f"memory and the study's hours (projected)")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES),
+                   help="with --pilot: pilot only these (the file keeps the other sides' last pilot)")
     return p.parse_args(argv)
 
 
@@ -100,6 +104,14 @@ def kept_runs(runs: list[dict], shapes, mus, fresh: bool, here: str) -> list[dic
         sides.setdefault((r["shape"], r["mu"], r["rep"]), []).append(r)
     return [r for r in runs if not (fresh and r["shape"] in shapes and r["mu"] in mus)
             and (len(sides[r["shape"], r["mu"], r["rep"]]) == len(SIDES) or r.get("instance") == here)]
+
+
+def recipe_allocator_env() -> dict:
+    """The allocator settings a recipe rank runs under on CPU (grpo_recipe/dist/allocator.py), as environment."""
+    from grpo_recipe.dist import allocator
+
+    return {"MALLOC_MMAP_THRESHOLD_": str(allocator.MMAP_THRESHOLD),
+            "MALLOC_TRIM_THRESHOLD_": str(allocator.TRIM_THRESHOLD), "GLIBC_TUNABLES": allocator.HUGE_PAGES}
 
 
 def shape_folder(shape: str, work: Path) -> Path:
@@ -337,6 +349,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.sides != list(SIDES) and not args.pilot:
+        sys.exit("vs_trl_real: --sides is for --pilot only: a study's repetition runs every side, alternating")
     args.out = str(Path(args.out).resolve())
     os.chdir(REPO)
     from common import CODE_AT_START, instance, machine
@@ -358,18 +372,25 @@ def main(argv=None) -> int:
                                                    + ("_pilot" if args.pilot else "")))
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
-    previous = (json.loads((out / "vs_trl_real.json").read_text())
-                if (out / "vs_trl_real.json").is_file() and not args.pilot else {})
+    name = PILOT_FILE if args.pilot else "vs_trl_real.json"
+    previous = json.loads((out / name).read_text()) if (out / name).is_file() else {}
     # finished runs are kept while the design is the same: the study spans sessions (hours per shape on 2 cores)
     same = (previous.get("run"), previous.get("timed_steps"), previous.get("smoke")) == (run, timed, args.smoke)
     here, started = instance(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    kept = kept_runs(previous.get("runs", []) if same else [], shapes, mus, args.fresh, here)
+    # and a shape's runs while its own settings are (SHAPE_RUN, RECIPE_ALLOCATOR)
+    now = {"shape_run": SHAPE_RUN, "recipe_allocator": {k: list(v) for k, v in RECIPE_ALLOCATOR.items()}}
+    alike = [r for r in previous.get("runs", []) if all(previous.get(k, {}).get(r["shape"], {}) == v.get(r["shape"], {})
+                                                        for k, v in now.items())]
+    kept = kept_runs(alike if same else [], shapes, mus, args.fresh, here)
+    if args.pilot:  # a pilot measures anew what it is asked, and keeps the last pilot of the rest
+        kept = [r for r in (alike if previous.get("run") == run else [])
+                if not (r["shape"] in shapes and r["mu"] in mus and r["side"] in args.sides)]
     planned = [(shape, side, mu, rep) for shape in (shapes if args.smoke else SHAPES)
                for rep in range(reps if args.smoke else REPS) for mu in (mus if args.smoke else MUS) for side in SIDES]
     result = {"benchmark": "vs_trl_real", "goals": GOALS, "design": __doc__.split("The design, declared before the "
                                                                                "runs:")[1].strip(),
               "fairness": FAIRNESS, "trl_version": version, "versions": versions(sys.executable), "run": run,
-              "shape_run": SHAPE_RUN,
+              **now,
               "timed_steps": "one rollout" if args.pilot else timed, "smoke": args.smoke, "runs": kept,
               "machine": machine(load_average_at_start=os.getloadavg()),
               "commands": {"benchmark": "python bench/vs_trl_real.py " + " ".join(argv if argv is not None
@@ -389,7 +410,7 @@ def main(argv=None) -> int:
                 steps = steps_for((spr if args.pilot else timed) + spr, spr)
                 # completions each optimizer step trains on (both ranks): a pass is the whole rollout
                 per_step = cfg.completions_per_rollout * 2 // cfg.optimizer_steps_per_pass
-                for side in SIDES:
+                for side in args.sides:
                     run_dir = work / shape / f"mu{mu}-rep{rep}"
                     if (shape, side, mu, rep) in done:
                         if args.reread and (run_dir / side).is_dir():  # the kept run's figures from its own logs
@@ -407,14 +428,17 @@ def main(argv=None) -> int:
                           flush=True)
                     load = os.getloadavg()[0]
                     limit = available_memory() - HEADROOM
-                    peaks = whole_run_peaks(cmd, env, REPO, log=run_dir / f"{side}.log", timeout_s=args.timeout,
-                                            memory_limit=limit)
+                    side_env = {**env, **(recipe_allocator_env() if side in RECIPE_ALLOCATOR.get(shape, ())
+                                          else {})}
+                    peaks = whole_run_peaks(cmd, side_env, REPO, log=run_dir / f"{side}.log",
+                                            timeout_s=args.timeout, memory_limit=limit)
                     why = {"memory": f"its ranks reached the {limit / 2**30:.1f} GiB the machine had free",
                            "timeout": f"it ran past --timeout {args.timeout:g} s"}.get(peaks["stopped"])
                     if peaks["exit_code"] != 0 and args.pilot:
                         print(f"vs_trl_real: pilot {shape} {side} mu {mu}: "
                               f"{why or 'exit ' + str(peaks['exit_code'])}", file=sys.stderr, flush=True)
                         result["runs"].append({"shape": shape, "side": side, "mu": mu, "rep": rep, "max_steps": steps,
+                                               "commit": CODE_AT_START.get("commit"), "instance": here,
                                                "memory_limit": limit, **peaks})
                         save_pilot(result, out, t0)
                         continue

@@ -108,3 +108,10 @@ def test_vs_trl_real_pilot_projects_each_mu_from_the_phases_and_leaves_out_a_sid
     stopped = [{**r, "exit_code": -9} if r["side"] == "trl" else r for r in runs]
     partial = project(stopped)["qwen05b"]
     assert set(partial["run_s"]) == {"ours", "floor"} and "study_h" not in partial
+
+
+def test_vs_trl_real_runs_a_subset_of_sides_only_in_a_pilot():
+    from vs_trl_real import main
+
+    with pytest.raises(SystemExit, match="--sides is for --pilot only"):
+        main(["--sides", "trl"])
