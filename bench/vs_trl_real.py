@@ -20,7 +20,10 @@ The design, declared before the runs:
 - The 0.5B shape checkpoints activations on every side (`gradient_checkpointing`: the recipe's and TRL's option,
   the floor's model enabled as the recipe enables it) and accumulates an optimizer step's 8 sequences per rank over
   2 micro-batches of 4: as first piloted (micro-batches of 8), TRL's ranks outgrew the 20.8 GiB this 24 GiB machine
-  had free, with checkpointing (on its second step) and without (on its first).
+  had free, with checkpointing (on its second step) and without (on its first). Under glibc's defaults they still
+  did (20.9 GiB, on the second step), so at this shape TRL runs under the recipe's allocator settings
+  (grpo_recipe/dist/allocator.py, as environment; `recipe_allocator` in the JSON): the step time it is compared at
+  is then its code's, not its allocator's.
 - A learning rate too small to move the policy (1e-30: every optimizer step still runs), so all sides sample from
   the same fixed policy and see one distribution of prompt and completion lengths.
 - The floor (bench/floor_runner.py): plain PyTorch, one process per rank, the whole model on each rank, the same
