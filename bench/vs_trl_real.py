@@ -19,11 +19,11 @@ The design, declared before the runs:
   ZeRO-3 on the recipe and TRL (bench/vs_trl.py's fairness rules, which the JSON repeats).
 - The 0.5B shape checkpoints activations on every side (`gradient_checkpointing`: the recipe's and TRL's option,
   the floor's model enabled as the recipe enables it) and accumulates an optimizer step's 8 sequences per rank over
-  2 micro-batches of 4: as first piloted (micro-batches of 8), TRL's ranks outgrew the 20.8 GiB this 24 GiB machine
-  had free, with checkpointing (on its second step) and without (on its first). Under glibc's defaults they still
-  did (20.9 GiB, on the second step), so at this shape TRL runs under the recipe's allocator settings
-  (grpo_recipe/dist/allocator.py, as environment; `recipe_allocator` in the JSON): the step time it is compared at
-  is then its code's, not its allocator's.
+  2 micro-batches of 4: as first piloted (micro-batches of 8), TRL's ranks came within 1 GiB of the memory this
+  24 GiB machine had free (20.8 GiB), with checkpointing (on its second step of two) and without (on its first).
+  Under glibc's defaults they still did (20.9 GiB, on the second step, still growing), so at this shape TRL runs
+  under the recipe's allocator settings (grpo_recipe/dist/allocator.py, as environment; `recipe_allocator` in the
+  JSON): the step time it is compared at is then its code's, not its allocator's.
 - A learning rate too small to move the policy (1e-30: every optimizer step still runs), so all sides sample from
   the same fixed policy and see one distribution of prompt and completion lengths.
 - The floor (bench/floor_runner.py): plain PyTorch, one process per rank, the whole model on each rank, the same
@@ -32,10 +32,11 @@ The design, declared before the runs:
   rollout's preparation: rewards, old and reference log-probs, weight sync; forward + loss; backward + optimizer;
   other), completion tokens trained per second, and the peak private memory (RssAnon) of each rank process,
   sampled alike for all sides (bench/measure.py whole_run_peaks). A timed run needs the machine alone: the load
-  is recorded at each run's start and end. A run whose ranks together reach the memory the machine had free at its
-  start is stopped there (the kernel's OOM killer could pick another process).
+  is recorded at each run's start and end.
 - Piloted per shape before its runs (--pilot: the design's sizes, one repetition, two rollouts a side): whether
-  each side fits in memory, and the study's hours projected from the pilot's phases.
+  each side fits in memory (a side whose ranks together come within 1 GiB of the memory the machine had free at its
+  start is stopped there; a study's run is not, and may finish that close, as TRL does at SmolLM2's shape), and
+  the study's hours projected from the pilot's phases.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ SHAPE_RUN = {"qwen05b": {"gradient_checkpointing": True, "per_device_train_batch
 RECIPE_ALLOCATOR = {"qwen05b": ("trl",)}
 TIMED_STEPS = 20
 PILOT_FILE = "vs_trl_real_pilot.json"
-HEADROOM = 1 << 30  # bytes a run leaves free for the rest of the machine (the sampler, the shell)
+HEADROOM = 1 << 30  # a pilot's side fits when its ranks leave this much of the memory free at its start
 MUS, REPS = (1, 4), 2  # the declared design: `complete` and `runs_to_go` count it whatever one invocation measures
 SMOKE = {"run": {"max_completion_length": 8, "num_generations": 2, "per_device_train_batch_size": 4},
          "steps": 2, "mus": [1], "reps": 1, "shapes": ["smollm2"]}
@@ -434,7 +435,7 @@ def main(argv=None) -> int:
                     side_env = {**env, **(recipe_allocator_env() if side in RECIPE_ALLOCATOR.get(shape, ())
                                           else {})}
                     peaks = whole_run_peaks(cmd, side_env, REPO, log=run_dir / f"{side}.log",
-                                            timeout_s=args.timeout, memory_limit=limit)
+                                            timeout_s=args.timeout, memory_limit=limit if args.pilot else None)
                     why = {"memory": f"its ranks reached the {limit / 2**30:.1f} GiB the machine had free",
                            "timeout": f"it ran past --timeout {args.timeout:g} s"}.get(peaks["stopped"])
                     if peaks["exit_code"] != 0 and args.pilot:
