@@ -500,8 +500,9 @@ def vs_trl_real_pilot(results: Path) -> str:
     for shape in dict.fromkeys(x["shape"] for x in r["runs"]):
         sides = []
         for x in (x for x in r["runs"] if x["shape"] == shape):
-            why = {"memory": f", stopped where its ranks held the {x.get('memory_limit', 0) / 2**30:.1f} GiB the "
-                             f"machine had free", "timeout": ", stopped at its time limit"}.get(x.get("stopped"), "")
+            why = {"memory": f", stopped where its ranks held {x.get('memory_limit', 0) / 2**30:.1f} GiB, 1 GiB "
+                             f"short of the memory free",
+                   "timeout": ", stopped at its time limit"}.get(x.get("stopped"), "")
             sides.append(f"{x['side']} {max(x['peak_bytes'], default=0) / 2**30:.1f} GiB" + why
                          + (f" (exit {x['exit_code']})" if x["exit_code"] and not why else ""))
         mus = sorted({x["mu"] for x in r["runs"] if x["shape"] == shape})

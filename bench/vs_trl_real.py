@@ -20,10 +20,10 @@ The design, declared before the runs:
 - The 0.5B shape checkpoints activations on every side (`gradient_checkpointing`: the recipe's and TRL's option,
   the floor's model enabled as the recipe enables it) and accumulates an optimizer step's 8 sequences per rank over
   2 micro-batches of 4: as first piloted (micro-batches of 8), TRL's ranks came within 1 GiB of the memory this
-  24 GiB machine had free (20.8 GiB), with checkpointing (on its second step of two) and without (on its first).
-  Under glibc's defaults they still did (20.9 GiB, on the second step, still growing), so at this shape TRL runs
-  under the recipe's allocator settings (grpo_recipe/dist/allocator.py, as environment; `recipe_allocator` in the
-  JSON): the step time it is compared at is then its code's, not its allocator's.
+  24 GiB machine had free (reaching 20.8 GiB), with checkpointing (on its second step of two) and without (on its
+  first). Under glibc's defaults they still did (reaching 20.9 GiB, on the second step, still growing), so at this
+  shape TRL runs under the recipe's allocator settings (grpo_recipe/dist/allocator.py, as environment;
+  `recipe_allocator` in the JSON): the step time it is compared at is then its code's, not its allocator's.
 - A learning rate too small to move the policy (1e-30: every optimizer step still runs), so all sides sample from
   the same fixed policy and see one distribution of prompt and completion lengths.
 - The floor (bench/floor_runner.py): plain PyTorch, one process per rank, the whole model on each rank, the same
@@ -385,10 +385,11 @@ def main(argv=None) -> int:
     now = {"shape_run": SHAPE_RUN, "recipe_allocator": {k: list(v) for k, v in RECIPE_ALLOCATOR.items()}}
     alike = [r for r in previous.get("runs", []) if all(previous.get(k, {}).get(r["shape"], {}) == v.get(r["shape"], {})
                                                         for k, v in now.items())]
-    kept = kept_runs(alike if same else [], shapes, mus, args.fresh, here)
     if args.pilot:  # a pilot measures anew what it is asked, and keeps the last pilot of the rest
         kept = [r for r in (alike if previous.get("run") == run else [])
                 if not (r["shape"] in shapes and r["mu"] in mus and r["side"] in args.sides)]
+    else:
+        kept = kept_runs(alike if same else [], shapes, mus, args.fresh, here)
     planned = [(shape, side, mu, rep) for shape in (shapes if args.smoke else SHAPES)
                for rep in range(reps if args.smoke else REPS) for mu in (mus if args.smoke else MUS) for side in SIDES]
     result = {"benchmark": "vs_trl_real", "goals": GOALS, "design": __doc__.split("The design, declared before the "
@@ -436,7 +437,7 @@ def main(argv=None) -> int:
                                           else {})}
                     peaks = whole_run_peaks(cmd, side_env, REPO, log=run_dir / f"{side}.log",
                                             timeout_s=args.timeout, memory_limit=limit if args.pilot else None)
-                    why = {"memory": f"its ranks reached the {limit / 2**30:.1f} GiB the machine had free",
+                    why = {"memory": f"its ranks reached {limit / 2**30:.1f} GiB, 1 GiB short of the memory free",
                            "timeout": f"it ran past --timeout {args.timeout:g} s"}.get(peaks["stopped"])
                     if peaks["exit_code"] != 0 and args.pilot:
                         print(f"vs_trl_real: pilot {shape} {side} mu {mu}: "

@@ -2,20 +2,11 @@
 everything it started, which is gone when it returns, and says why."""
 import os
 import sys
-from pathlib import Path
 
 from conftest import REPO
+from procs import alive
 
 sys.path.insert(0, str(REPO / "bench"))
-
-
-def gone(pid: int) -> bool:
-    """No such process, or one that only waits to be reaped."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return "State:\tZ" in status
 
 
 def rank_under_a_shell(tmp_path, body: str) -> list[str]:
@@ -32,7 +23,7 @@ def test_whole_run_peaks_stops_a_run_whose_ranks_outgrow_the_memory_limit(tmp_pa
     assert r["stopped"] == "memory" and r["exit_code"] != 0 and r["wall_s"] < 60
     assert max(r["peak_bytes"]) > 100 << 20
     # the rank below the launcher too, not only the launcher, and gone before it returns: its memory is back
-    assert gone(int((tmp_path / "pid").read_text()))
+    assert not alive(int((tmp_path / "pid").read_text()))
 
 
 def test_whole_run_peaks_stops_a_run_past_its_time_and_lets_one_within_finish(tmp_path):
